@@ -1,0 +1,165 @@
+"""BM25 retrieval over a passage corpus, on the host (bm25s + PyStemmer, numpy backend).
+
+bm25s is imported inside functions only: importing it initialises the XLA
+backend, which must not happen before `jax.distributed.initialize()`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from tqdm import tqdm
+
+log = logging.getLogger(__name__)
+
+FORMAT = "sem_jax.bm25/1"
+NO_QUERY = "No query: write the query between <search> and </search>."
+
+
+@dataclasses.dataclass(frozen=True)
+class Passage:
+    id: str
+    title: str
+    text: str
+    score: float = 0.0
+
+
+def parse_corpus_row(row: Any, where: str) -> dict[str, str]:
+    """One corpus row -> {id, title, text}. Accepts {id, title, text} and {id, contents}
+    (FlashRAG/Search-R1 style, the first line of `contents` being the title)."""
+    if not isinstance(row, dict):
+        raise ValueError(f"{where}: expected a JSON object, got {type(row).__name__}")
+    if "id" not in row:
+        raise ValueError(f"{where}: missing field 'id'")
+    if isinstance(row.get("text"), str):
+        title = row.get("title") or ""
+        if not isinstance(title, str):
+            raise ValueError(f"{where}: field 'title' must be a string")
+        text = row["text"]
+    elif isinstance(row.get("contents"), str):
+        first, _, rest = row["contents"].partition("\n")
+        title, text = first.strip().strip('"'), rest.strip()
+    else:
+        raise ValueError(f"{where}: needs a string 'text' (with optional 'title') or 'contents'")
+    if not (title.strip() or text.strip()):
+        raise ValueError(f"{where}: empty passage")
+    return {"id": str(row["id"]), "title": title, "text": text}
+
+
+def read_corpus(path: str, show_progress: bool = True) -> list[dict[str, str]]:
+    """Read a jsonl corpus; broken rows are reported (count and first example) and skipped."""
+    docs, bad, first_bad = [], 0, None
+    with open(path, encoding="utf-8") as fh:
+        for n, line in enumerate(tqdm(fh, desc=f"reading {os.path.basename(path)}", unit=" rows",
+                                      disable=not show_progress), start=1):
+            if not line.strip():
+                continue
+            try:
+                docs.append(parse_corpus_row(json.loads(line), f"{path}:{n}"))
+            except (ValueError, json.JSONDecodeError) as e:
+                bad += 1
+                first_bad = first_bad or str(e)
+    if bad:
+        log.warning("%s: skipped %d broken row(s); first: %s", path, bad, first_bad)
+    if not docs:
+        raise ValueError(f"{path}: no usable passage" + (f" ({bad} broken rows; first: {first_bad})" if bad else ""))
+    return docs
+
+
+class Retriever:
+    """Batched BM25 search. `search(queries, k)` answers all queries in one call."""
+
+    def __init__(self, bm25: Any, corpus: Any, settings: dict[str, Any]):
+        self.bm25 = bm25
+        self.corpus = corpus  # list of dicts, or bm25s' memory-mapped JsonlCorpus
+        self.settings = settings
+        self.calls = 0  # search() invocations, for telling batched from per-row use
+
+    def __len__(self) -> int:
+        return int(self.settings["num_docs"])
+
+    @classmethod
+    def build(cls, docs: Sequence[dict[str, str]], *, stemmer: str | None = "english",
+              stopwords: str | None = "en", k1: float = 1.5, b: float = 0.75,
+              method: str = "lucene", show_progress: bool = True) -> "Retriever":
+        """Index passages ({id, title, text}); the title is indexed with the text."""
+        import bm25s
+
+        settings = {"format": FORMAT, "stemmer": stemmer, "stopwords": stopwords, "k1": k1, "b": b,
+                    "method": method, "num_docs": len(docs)}
+        tokens = bm25s.tokenize([f"{d['title']}\n{d['text']}" for d in docs], stopwords=stopwords,
+                                stemmer=_stemmer(stemmer), show_progress=show_progress)
+        bm25 = bm25s.BM25(k1=k1, b=b, method=method, backend="numpy")
+        bm25.index(tokens, show_progress=show_progress)
+        return cls(bm25, list(docs), settings)
+
+    @classmethod
+    def from_jsonl(cls, path: str, **kwargs) -> "Retriever":
+        return cls.build(read_corpus(path, kwargs.get("show_progress", True)), **kwargs)
+
+    def save(self, out_dir: str) -> None:
+        """Index, corpus and the tokenizer/stemmer settings, side by side."""
+        os.makedirs(out_dir, exist_ok=True)
+        self.bm25.save(out_dir, corpus=list(self._iter_corpus()), show_progress=False)
+        with open(os.path.join(out_dir, "sem_jax_index.json"), "w") as fh:
+            json.dump(self.settings, fh, indent=2)
+
+    @classmethod
+    def load(cls, index_dir: str, mmap: bool = True) -> "Retriever":
+        """Load a saved index; `mmap` keeps the index and corpus on disk (big corpora)."""
+        import bm25s
+
+        meta = os.path.join(index_dir, "sem_jax_index.json")
+        if not os.path.exists(meta):
+            raise FileNotFoundError(f"{meta}: not found (build the index with scripts/build_index.py)")
+        with open(meta) as fh:
+            settings = json.load(fh)
+        if settings.get("format") != FORMAT:
+            raise ValueError(f"{meta}: format {settings.get('format')!r}, expected {FORMAT!r}")
+        bm25 = bm25s.BM25.load(index_dir, load_corpus=True, mmap=mmap, show_progress=False)
+        # We look passages up ourselves; with a corpus attached bm25s returns documents, not ids.
+        corpus, bm25.corpus = bm25.corpus, None
+        return cls(bm25, corpus, settings)
+
+    def _iter_corpus(self) -> Iterable[dict[str, str]]:
+        for i in range(len(self)):
+            yield self.corpus[i]
+
+    def search(self, queries: Sequence[str], k: int) -> list[list[Passage]]:
+        """Top-k passages per query, best first (k clipped to the corpus size; passages
+        with no matching term are left out). An empty query gets one "no query" passage."""
+        import bm25s
+
+        self.calls += 1
+        k = max(1, min(int(k), len(self)))
+        out: list[list[Passage]] = [[] for _ in queries]
+        live = [i for i, q in enumerate(queries) if q.strip()]
+        for i, q in enumerate(queries):
+            if not q.strip():
+                out[i] = [Passage(id="", title="", text=NO_QUERY)]
+        if not live:
+            return out
+        tokens = bm25s.tokenize([queries[i] for i in live], stopwords=self.settings["stopwords"],
+                                stemmer=_stemmer(self.settings["stemmer"]), return_ids=False,
+                                show_progress=False)
+        ids, scores = self.bm25.retrieve(tokens, k=k, backend_selection="numpy", show_progress=False,
+                                         n_threads=0)
+        for row, i in enumerate(live):
+            for doc, score in zip(ids[row], scores[row]):
+                if score > 0:
+                    d = self.corpus[int(doc)]
+                    out[i].append(Passage(id=d["id"], title=d.get("title", ""), text=d["text"],
+                                          score=float(score)))
+        return out
+
+
+def _stemmer(language: str | None):
+    if not language:
+        return None
+    import Stemmer
+    return Stemmer.Stemmer(language)

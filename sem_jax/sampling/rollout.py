@@ -1,0 +1,128 @@
+"""The search-aware rollout: the host loop around the compiled sampler.
+
+decode until rows pause at `</search>` -> parse their queries -> ONE batched
+retriever call -> tokenize the `<result>` blocks -> append them into the same KV
+cache -> resume. Sampled ids are kept as sampled (token-in, token-out); inserted
+ids are the tokenization of the inserted blocks and get loss mask 0.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Sequence
+
+import jax
+import numpy as np
+
+from sem_jax.retrieval.format import format_results
+from sem_jax.sampling.sampler import Sampler
+
+LIMIT_NOTE = "\n<result>\nSearch limit reached: answer with what you know.\n</result>\n"
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutConfig:
+    group_size: int = 5            # G trajectories per prompt
+    max_searches: int = 2          # searches answered per trajectory; then LIMIT_NOTE once
+    top_k: int = 3                 # passages per search
+    max_tokens_per_passage: int = 96
+
+
+@dataclasses.dataclass
+class Trajectory:
+    prompt_index: int
+    prompt_ids: list[int]
+    response_ids: np.ndarray   # [n] int32: sampled and inserted tokens, in order
+    loss_mask: np.ndarray      # [n] int8: 1 on sampled tokens, 0 on inserted ones
+    logprobs: np.ndarray       # [n] float32: sampler logprobs (0 where inserted)
+    num_searches: int
+    queries: list[str]
+    text: str                  # the decoded response (special tokens dropped)
+    end_reason: str            # "eos", "length" or "search_limit"
+
+
+@dataclasses.dataclass
+class RolloutStats:
+    decode_s: float = 0.0
+    retrieval_s: float = 0.0
+    insert_s: float = 0.0
+    pause_rounds: int = 0
+    retriever_calls: int = 0
+
+
+def parse_query(text: str) -> str:
+    """The query of the last `<search>...</search>` in `text` ('' when there is none)."""
+    end = text.rfind("</search>")
+    if end < 0:
+        return ""
+    start = text.rfind("<search>", 0, end)
+    prev_end = text.rfind("</search>", 0, end)
+    if start < 0 or start < prev_end:
+        return ""
+    return text[start + len("<search>"):end].strip()
+
+
+def rollout(sampler: Sampler, tokenizer, retriever, prompts: Sequence[Sequence[int]], key: jax.Array,
+            cfg: RolloutConfig) -> tuple[list[Trajectory], RolloutStats]:
+    """G trajectories per prompt (row = prompt * G + g), with searches answered by `retriever`."""
+    stats = RolloutStats()
+    g = cfg.group_size
+    state = sampler.start(prompts, g, key)
+    b = len(prompts) * g
+    budget = sampler.config.max_new_tokens
+    searches = np.zeros(b, int)
+    refused = np.zeros(b, bool)
+    ended_by_limit = np.zeros(b, bool)
+    queries: list[list[str]] = [[] for _ in range(b)]
+    note_ids = tokenizer.encode(LIMIT_NOTE, add_special_tokens=False)
+    while True:
+        t0 = time.perf_counter()
+        state = sampler.decode(state)
+        paused = np.asarray(state.paused)
+        stats.decode_s += time.perf_counter() - t0
+        if not paused.any():
+            break
+        stats.pause_rounds += 1
+        resp, lens = np.asarray(state.resp), np.asarray(state.resp_len)
+        blocks: list[list[int]] = [[] for _ in range(b)]
+        end = np.zeros(b, bool)
+        ask = []
+        for row in np.flatnonzero(paused):
+            if searches[row] < cfg.max_searches:
+                ask.append(row)
+            elif not refused[row]:
+                blocks[row], refused[row] = list(note_ids), True
+            else:  # asked again after the note: stop the row
+                end[row] = ended_by_limit[row] = True
+        if ask:
+            t0 = time.perf_counter()
+            texts = [tokenizer.decode(resp[r, :lens[r]].tolist(), skip_special_tokens=True) for r in ask]
+            qs = [parse_query(t) for t in texts]
+            results = retriever.search(qs, cfg.top_k)  # once per pause round, for every row
+            stats.retriever_calls += 1
+            for row, q, res in zip(ask, qs, results):
+                text = format_results(res, tokenizer, cfg.max_tokens_per_passage)
+                blocks[row] = tokenizer.encode(text, add_special_tokens=False)
+                searches[row] += 1
+                queries[row].append(q)
+            stats.retrieval_s += time.perf_counter() - t0
+        for row in range(b):  # the budget counts inserted tokens too
+            blocks[row] = blocks[row][:max(0, budget - int(lens[row]))]
+        t0 = time.perf_counter()
+        state = sampler.insert(state, blocks, end)
+        stats.insert_s += time.perf_counter() - t0
+
+    resp, lp, sampled, lens, eos = jax.device_get(
+        (state.resp, state.resp_logprob, state.resp_sampled, state.resp_len, state.eos))
+    out = []
+    for row in range(b):
+        n = int(lens[row])
+        ids = resp[row, :n].astype(np.int32)
+        reason = "search_limit" if ended_by_limit[row] else "eos" if eos[row] else "length"
+        out.append(Trajectory(
+            prompt_index=row // g, prompt_ids=list(prompts[row // g]), response_ids=ids,
+            loss_mask=sampled[row, :n].astype(np.int8), logprobs=lp[row, :n].astype(np.float32),
+            num_searches=int(searches[row]), queries=queries[row],
+            text=tokenizer.decode(ids.tolist(), skip_special_tokens=True), end_reason=reason))
+    return out, stats

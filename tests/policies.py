@@ -1,0 +1,48 @@
+"""Test policies: a random tiny Qwen2 and a scripted policy that writes a fixed text."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from sem_jax.model import KVCache, Qwen2, Qwen2Config
+
+TINY = Qwen2Config(vocab_size=211, hidden_size=48, intermediate_size=96, num_layers=2, num_heads=6,
+                   num_kv_heads=2, rope_theta=1e6)
+
+
+def random_qwen2(seed=0, cfg=TINY, scale=0.3):
+    model = Qwen2(cfg, rngs=nnx.Rngs(seed))
+    for i, var in enumerate(jax.tree.leaves(nnx.state(model), is_leaf=lambda v: isinstance(v, nnx.Variable))):
+        var.set_value(var[...] + jax.random.normal(jax.random.key(seed * 1000 + i), var.shape) * scale)
+    return model
+
+
+class ScriptedPolicy(nnx.Module):
+    """Forces row b's token at absolute position p to be `script[b, p]` (huge logit margin).
+
+    Same interface as `Qwen2` for the sampler (config, dtype, init_cache, extend). The
+    cache holds no keys; its lengths advance as the real one's do, so inserted blocks
+    shift positions exactly as in the real model.
+    """
+
+    def __init__(self, script: np.ndarray, vocab_size: int):
+        self.script = nnx.Variable(jnp.asarray(script, jnp.int32))  # [B, S]
+        self.config = Qwen2Config(vocab_size=vocab_size, hidden_size=8, intermediate_size=8,
+                                  num_layers=1, num_heads=1, num_kv_heads=1)
+        self.dtype = jnp.float32
+
+    def init_cache(self, batch, max_length, dtype=None):
+        z = jnp.zeros((1, batch, max_length, 1, 1), jnp.float32)
+        return KVCache(k=z, v=z, lengths=jnp.zeros((batch,), jnp.int32))
+
+    def extend(self, tokens, cache, num_new=None):
+        b, t = tokens.shape
+        script = self.script[...]
+        # Prefill runs on one row per prompt, decode on G rows per prompt: map rows.
+        rows = jnp.arange(b) * script.shape[0] // b
+        pos = cache.lengths[:, None] + jnp.arange(t)[None] + 1  # the token this logit predicts
+        nxt = script[rows[:, None], jnp.minimum(pos, script.shape[1] - 1)]
+        logits = jax.nn.one_hot(nxt, self.config.vocab_size) * 100.0
+        step = t if num_new is None else num_new
+        return logits, KVCache(k=cache.k, v=cache.v, lengths=cache.lengths + step)

@@ -1,0 +1,196 @@
+"""Stop detection on the real Qwen2.5 vocabulary, and the full search loop with a scripted policy."""
+
+import jax
+import numpy as np
+import pytest
+from policies import ScriptedPolicy
+
+from sem_jax.retrieval import Retriever, format_results
+from sem_jax.sampling import (RolloutConfig, Sampler, SamplingConfig, build_stop_automaton,
+                              parse_query, rollout)
+from sem_jax.sampling.rollout import LIMIT_NOTE
+from sem_jax.sampling.stop import _byte_decoder
+
+IM_END = 151645
+
+
+@pytest.fixture(scope="module")
+def automaton(qwen25_tokenizer):
+    return build_stop_automaton(qwen25_tokenizer)
+
+
+def _ids(tok, pieces):
+    """Each piece (text) as exactly one token of the real vocabulary."""
+    enc = {b: c for c, b in _byte_decoder().items()}
+    out = []
+    for piece in pieces:
+        i = tok.convert_tokens_to_ids("".join(enc[b] for b in piece.encode()))
+        assert i is not None and i != tok.unk_token_id and tok.decode([i]) == piece, piece
+        out.append(i)
+    return out
+
+
+def _first_hit(tok, ids):
+    text = b""
+    for n, i in enumerate(ids):
+        text += tok.decode([i]).encode()
+        if b"</search>" in text:
+            return n
+    return None
+
+
+STOP_PIECES = [
+    ["</", "search", ">"],
+    [" </", "search", ">\n"],
+    ["?</", "search", ">\n\n"],
+    ["<", "/", "search", ">"],
+    ["</", "se", "arch", ">"],
+    list("</search>"),                       # byte by byte
+    ["x", "</", "search", ">.", " The"],     # stop inside a token that carries more text
+    ["<", "search", ">", "a", "</", "search", ">"],
+]
+NEAR_MISSES = ["</searc", "</ search>", "<search>", "</Search>", "</search", "search>", "< /search>"]
+
+
+@pytest.mark.parametrize("pieces", STOP_PIECES, ids=lambda p: "+".join(p))
+def test_stop_on_every_tokenization(qwen25_tokenizer, automaton, pieces):
+    ids = _ids(qwen25_tokenizer, pieces)
+    hit = _first_hit(qwen25_tokenizer, ids)
+    assert automaton.feed(ids) == [n == hit for n in range(len(ids))]
+
+
+def test_stop_in_tokenizer_contexts(qwen25_tokenizer, automaton):
+    for text in ["Why </search>", "x?</search>\n\nok", "<search>capital of France</search>",
+                 "a</search></search>b", "((</search>))"]:
+        ids = qwen25_tokenizer.encode(text, add_special_tokens=False)
+        hits = automaton.feed(ids)
+        assert sum(hits) == text.count("</search>") and hits.index(True) == _first_hit(qwen25_tokenizer, ids)
+
+
+def test_near_misses_do_not_stop(qwen25_tokenizer, automaton):
+    for text in NEAR_MISSES:
+        for ids in (qwen25_tokenizer.encode(text, add_special_tokens=False),
+                    [qwen25_tokenizer.convert_tokens_to_ids(_byte_decoder_inv(b)) for b in text.encode()]):
+            assert not any(automaton.feed(ids)), text
+
+
+def _byte_decoder_inv(b):
+    return {v: k for k, v in _byte_decoder().items()}[b]
+
+
+def test_device_loop_pauses_at_the_right_token(qwen25_tokenizer, automaton):
+    """The compiled loop, not only the host replay: each variant pauses its row at the stop token."""
+    variants = [_ids(qwen25_tokenizer, ["Hi"] + p + ["more", "text"]) for p in STOP_PIECES]
+    width = max(map(len, variants)) + 4
+    prompt = [151644]
+    script = np.full((len(variants), width + 1), 198)
+    for r, ids in enumerate(variants):
+        script[r, 1:1 + len(ids)] = ids
+    policy = ScriptedPolicy(script, len(qwen25_tokenizer))
+    sampler = Sampler(policy, automaton, SamplingConfig(max_new_tokens=width, greedy=True))
+    state = sampler.decode(sampler.start([prompt] * len(variants), 1, jax.random.key(0)))
+    assert np.asarray(state.paused).all()
+    for r, ids in enumerate(variants):
+        assert int(state.resp_len[r]) == _first_hit(qwen25_tokenizer, ids) + 1, STOP_PIECES[r]
+
+
+def test_parse_query():
+    assert parse_query("<answer>x</answer><search> capital of France </search>") == "capital of France"
+    assert parse_query("<search>a</search><result>r</result><search>b</search>\n") == "b"
+    assert parse_query("no tags </search>") == ""
+    assert parse_query("<search>a</search> then </search>") == ""
+    assert parse_query("plain") == ""
+
+
+DOCS = [
+    {"id": "d1", "title": "Paris", "text": "Paris is the capital and largest city of France."},
+    {"id": "d2", "title": "Mount Everest", "text": "Everest is the highest mountain on Earth."},
+    {"id": "d3", "title": "Nile", "text": "The Nile is a river in Africa."},
+]
+
+
+class CountingRetriever:
+    def __init__(self, inner):
+        self.inner, self.batches = inner, []
+
+    def search(self, queries, k):
+        self.batches.append(list(queries))
+        return self.inner.search(queries, k)
+
+
+@pytest.fixture(scope="module")
+def retriever():
+    return Retriever.build(DOCS, show_progress=False)
+
+
+def _script(tok, prompt, parts, group_size):
+    ids = list(prompt)
+    for p in parts:
+        ids += p if isinstance(p, list) else tok.encode(p, add_special_tokens=False)
+    return np.array([ids] * group_size), ids
+
+
+def test_scripted_rollout_two_searches(qwen25_tokenizer, retriever):
+    tok = qwen25_tokenizer
+    cfg = RolloutConfig(group_size=3, max_searches=2, top_k=2, max_tokens_per_passage=32)
+    enc = lambda s: tok.encode(s, add_special_tokens=False)
+    # What the retriever will answer, tokenized as the rollout must insert it.
+    b1 = enc(format_results(retriever.search(["capital of France"], 2)[0], tok, 32))
+    b2 = enc(format_results(retriever.search(["highest mountain"], 2)[0], tok, 32))
+    t1 = "<think>I think so.</think><answer>Lyon</answer><search>capital of France</search>"
+    t2 = "<think>Lyon was wrong.</think><search>highest mountain</search>"
+    t3 = "<think>Done.</think><answer>Paris</answer>"
+    prompt = enc("<|im_start|>user\nQ?<|im_end|>\n<|im_start|>assistant\n")
+    script, full = _script(tok, prompt, [t1, b1, t2, b2, t3, [IM_END]], 1)
+    policy = ScriptedPolicy(script, len(tok))
+    stop = build_stop_automaton(tok)
+    sampler = Sampler(policy, stop, SamplingConfig(max_new_tokens=len(full) + 16, greedy=True,
+                                                   eos_ids=(IM_END,)))
+    counting = CountingRetriever(retriever)
+    trajs, stats = rollout(sampler, tok, counting, [prompt], jax.random.key(0), cfg)
+    assert len(trajs) == 3 and stats.pause_rounds == 2
+    # Once per pause round, for all paused rows at once.
+    assert counting.batches == [["capital of France"] * 3, ["highest mountain"] * 3]
+    sampled = enc(t1) + enc(t2) + enc(t3) + [IM_END]
+    for t in trajs:
+        assert t.end_reason == "eos" and t.num_searches == 2
+        assert t.queries == ["capital of France", "highest mountain"]
+        # Token-in/token-out: sampled ids are the scripted ids, inserted ids the blocks' tokenization.
+        assert t.response_ids.tolist() == full[len(prompt):]
+        assert t.response_ids[t.loss_mask == 1].tolist() == sampled
+        assert t.response_ids[t.loss_mask == 0].tolist() == b1 + b2
+        assert (t.logprobs[t.loss_mask == 0] == 0).all() and (t.logprobs[t.loss_mask == 1] > -1e-3).all()
+        assert "(1) Paris: Paris is the capital" in t.text and "(1) Mount Everest:" in t.text
+        assert t.text.endswith("<answer>Paris</answer>")
+
+
+def test_search_limit_note_then_stop(qwen25_tokenizer, retriever):
+    tok = qwen25_tokenizer
+    enc = lambda s: tok.encode(s, add_special_tokens=False)
+    b1 = enc(format_results(retriever.search(["Nile"], 1)[0], tok, 96))
+    note = enc(LIMIT_NOTE)
+    t1, t2, t3 = "<search>Nile</search>", "<search>Nile again</search>", "<search>third</search>"
+    prompt = enc("Q")
+    script, full = _script(tok, prompt, [t1, b1, t2, note, t3, "never reached"], 2)
+    sampler = Sampler(ScriptedPolicy(script, len(tok)), build_stop_automaton(tok),
+                      SamplingConfig(max_new_tokens=200, greedy=True, eos_ids=(IM_END,)))
+    trajs, _ = rollout(sampler, tok, retriever, [prompt], jax.random.key(0),
+                       RolloutConfig(group_size=2, max_searches=1, top_k=1))
+    for t in trajs:
+        assert t.end_reason == "search_limit" and t.num_searches == 1
+        assert t.response_ids[t.loss_mask == 0].tolist() == b1 + note
+        assert t.text.endswith("<search>third</search>")
+
+
+def test_budget_counts_inserted_tokens(qwen25_tokenizer, retriever):
+    tok = qwen25_tokenizer
+    enc = lambda s: tok.encode(s, add_special_tokens=False)
+    t1 = enc("<search>Paris</search>")
+    prompt = enc("Q")
+    budget = len(t1) + 5  # the result block does not fit
+    script, _ = _script(tok, prompt, [t1, enc("x" * 50)], 1)
+    sampler = Sampler(ScriptedPolicy(script, len(tok)), build_stop_automaton(tok),
+                      SamplingConfig(max_new_tokens=budget, greedy=True))
+    (t,), _ = rollout(sampler, tok, retriever, [prompt], jax.random.key(0), RolloutConfig(group_size=1))
+    assert t.end_reason == "length" and len(t.response_ids) == budget
+    assert t.loss_mask.tolist() == [1] * len(t1) + [0] * 5

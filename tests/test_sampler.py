@@ -1,0 +1,104 @@
+"""The compiled sampler on a random tiny Qwen2."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from policies import TINY, random_qwen2
+
+from sem_jax.sampling import Sampler, SamplingConfig, sample_tokens, stop_automaton_from_bytes
+
+# Token i is one lower-case letter: "</search>" can never appear.
+NO_STOP = stop_automaton_from_bytes([bytes([97 + i % 26]) for i in range(TINY.vocab_size)])
+
+
+def test_greedy_equals_argmax_loop_over_full_forward():
+    model = random_qwen2()
+    prompts = [[5, 17, 42], [9, 1, 2, 3, 4, 5, 6, 7, 8, 100], [33]]
+    steps = 12
+    sampler = Sampler(model, NO_STOP, SamplingConfig(max_new_tokens=steps, greedy=True))
+    state = sampler.decode(sampler.start(prompts, 2, jax.random.key(0)))
+    resp, lens = np.asarray(state.resp), np.asarray(state.resp_len)
+    assert (lens == steps).all() and np.asarray(state.done).all()
+    forward = jax.jit(lambda m, t: m(t))
+    for i, p in enumerate(prompts):
+        seq = list(p)
+        for _ in range(steps):
+            # Right padding to one width (one compile); causal, so padding cannot leak back.
+            padded = jnp.asarray([seq + [0] * (32 - len(seq))])
+            seq.append(int(np.argmax(np.asarray(forward(model, padded))[0, len(seq) - 1])))
+        want = seq[len(p):]
+        for g in range(2):
+            assert resp[2 * i + g].tolist() == want
+
+
+def test_eos_stops_row_and_group_copies_differ_when_sampling():
+    model = random_qwen2(1)
+    cfg = SamplingConfig(max_new_tokens=20, temperature=1.0, eos_ids=(3, 4, 5))
+    sampler = Sampler(model, NO_STOP, cfg)
+    state = sampler.decode(sampler.start([[1, 2, 3]], 8, jax.random.key(1)))
+    resp, lens, eos = np.asarray(state.resp), np.asarray(state.resp_len), np.asarray(state.eos)
+    for row in range(8):
+        n = lens[row]
+        body = resp[row, :n].tolist()
+        if eos[row]:
+            assert body[-1] in (3, 4, 5) and not set(body[:-1]) & {3, 4, 5}
+        else:
+            assert n == 20 and not set(body) & {3, 4, 5}
+    assert len({tuple(resp[r, :lens[r]]) for r in range(8)}) > 1  # G copies sample independently
+
+
+def test_continuation_after_insertion_equals_full_forward():
+    """Tokens appended mid-sequence into the live cache: later logprobs == full forward."""
+    model = random_qwen2(2)
+    prompts = [[7, 8, 9, 10], [11, 12]]
+    sampler = Sampler(model, NO_STOP, SamplingConfig(max_new_tokens=30, temperature=1.0),
+                      max_steps_per_call=5)
+    state = sampler.decode(sampler.start(prompts, 1, jax.random.key(2)))
+    assert np.asarray(state.resp_len).tolist() == [5, 5]
+    state = sampler.insert(state, [[100, 101, 102], [150]])
+    state = sampler.decode(state)
+    state = sampler.insert(state, [[], [20, 21, 22, 23, 24, 25]])
+    state = sampler.decode(state)
+    resp, lp, sampled, lens = map(np.asarray, (state.resp, state.resp_logprob, state.resp_sampled,
+                                               state.resp_len))
+    worst = 0.0
+    for row, p in enumerate(prompts):
+        n = lens[row]
+        seq = np.array(list(p) + resp[row, :n].tolist())
+        full = jax.nn.log_softmax(model(jnp.asarray(seq[None]))[0], -1)
+        ref = np.asarray(full[len(p) - 1:-1])[np.arange(n), resp[row, :n]]
+        mask = sampled[row, :n]
+        assert mask.sum() == n - (3 if row == 0 else 7)
+        worst = max(worst, np.abs(ref - lp[row, :n])[mask].max())
+    print(f"max |sampler logprob - full forward| = {worst:.3g}")
+    assert worst <= 1e-4
+
+
+@pytest.mark.parametrize("top_k,top_p", [(5, 1.0), (0, 0.5), (20, 0.3)])
+def test_top_k_top_p_support(top_k, top_p):
+    logits = jax.random.normal(jax.random.key(0), (4, TINY.vocab_size)) * 3
+    cfg = SamplingConfig(max_new_tokens=1, top_k=top_k, top_p=top_p)
+    order = np.argsort(-np.asarray(logits), -1)
+    probs = np.asarray(jax.nn.softmax(logits, -1))
+    allowed = []
+    for r in range(4):
+        cand = order[r, :top_k] if top_k else order[r]
+        p = probs[r, cand] / probs[r, cand].sum()
+        keep = np.cumsum(p) - p < top_p
+        allowed.append(set(cand[keep].tolist()))
+    seen = [set() for _ in range(4)]
+    for s in range(200):
+        tok, lp = sample_tokens(logits, jax.random.key(s), cfg)
+        for r, t in enumerate(np.asarray(tok)):
+            seen[r].add(int(t))
+    for r in range(4):
+        assert seen[r] <= allowed[r]
+        assert len(seen[r]) >= min(2, len(allowed[r]))
+
+
+def test_bad_sampling_config():
+    with pytest.raises(ValueError, match="temperature"):
+        SamplingConfig(max_new_tokens=4, temperature=0.0)
+    with pytest.raises(ValueError, match="top_p"):
+        SamplingConfig(max_new_tokens=4, top_p=0.0)
