@@ -36,13 +36,20 @@ class ScriptedPolicy(nnx.Module):
         z = jnp.zeros((1, batch, max_length, 1, 1), jnp.float32)
         return KVCache(k=z, v=z, lengths=jnp.zeros((batch,), jnp.int32))
 
-    def extend(self, tokens, cache, num_new=None):
+    def hidden_states(self, tokens, *, cache, num_new=None):
         b, t = tokens.shape
         script = self.script[...]
         # Prefill runs on one row per prompt, decode on G rows per prompt: map rows.
         rows = jnp.arange(b) * script.shape[0] // b
-        pos = cache.lengths[:, None] + jnp.arange(t)[None] + 1  # the token this logit predicts
+        pos = cache.lengths[:, None] + jnp.arange(t)[None] + 1  # the token this output predicts
         nxt = script[rows[:, None], jnp.minimum(pos, script.shape[1] - 1)]
-        logits = jax.nn.one_hot(nxt, self.config.vocab_size) * 100.0
         step = t if num_new is None else num_new
-        return logits, KVCache(k=cache.k, v=cache.v, lengths=cache.lengths + step)
+        return jax.nn.one_hot(nxt, self.config.vocab_size) * 100.0, \
+            KVCache(k=cache.k, v=cache.v, lengths=cache.lengths + step)
+
+    def logits(self, hidden):
+        return hidden
+
+    def extend(self, tokens, cache, num_new=None):
+        hidden, cache = self.hidden_states(tokens, cache=cache, num_new=num_new)
+        return self.logits(hidden), cache

@@ -102,3 +102,18 @@ def test_bad_sampling_config():
         SamplingConfig(max_new_tokens=4, temperature=0.0)
     with pytest.raises(ValueError, match="top_p"):
         SamplingConfig(max_new_tokens=4, top_p=0.0)
+
+
+def test_inverse_cdf_sampling_matches_distribution():
+    """Empirical token frequencies follow softmax(logits / T) (chi-square-style bound)."""
+    v = 700  # not a multiple of the chunk width
+    logits = jax.random.normal(jax.random.key(3), (1, v)) * 2.0
+    cfg = SamplingConfig(max_new_tokens=1, temperature=0.7)
+    keys = jax.random.split(jax.random.key(4), 20000)
+    toks = np.asarray(jax.vmap(lambda k: sample_tokens(logits, k, cfg)[0][0])(keys))
+    probs = np.asarray(jax.nn.softmax(logits[0] / 0.7))
+    counts = np.bincount(toks, minlength=v)
+    top = np.argsort(-probs)[:20]
+    expected = probs[top] * len(toks)
+    assert np.all(np.abs(counts[top] - expected) < 5 * np.sqrt(expected) + 5)
+    assert counts[probs < 1e-7].sum() == 0

@@ -41,7 +41,7 @@ REMAT_POLICIES = {
     "dots_no_batch": jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims,
 }
 
-CACHE_AXES = ("layers", "batch", "cache_length", "act_kv_heads", "head_dim")
+CACHE_AXES = ("layers", "batch", "act_kv_heads", "cache_length", "head_dim")
 
 
 @jax.tree_util.register_dataclass
@@ -53,13 +53,13 @@ class KVCache:
     on its own, so prompts of different lengths share one batch.
     """
 
-    k: jax.Array  # [layers, batch, max_length, kv_heads, head_dim]
+    k: jax.Array  # [layers, batch, kv_heads, max_length, head_dim]
     v: jax.Array
     lengths: jax.Array  # [batch] int32
 
     @property
     def max_length(self) -> int:
-        return self.k.shape[2]
+        return self.k.shape[3]
 
 
 def _layer_shapes(cfg: Qwen2Config) -> dict[str, tuple[int, ...]]:
@@ -108,16 +108,43 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     return out.astype(x.dtype)
 
 
-def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
-    """Grouped-query attention. q [B,T,H,D], k/v [B,S,K,D], mask [B,T,S] (True = attend)."""
+def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
+              cache: tuple[jax.Array, jax.Array, jax.Array] | None = None) -> jax.Array:
+    """Grouped-query attention of q [B,T,H,D] over this call's keys k/v [B,T,K,D]
+    (mask [B,T,T], True = attend) and, when given, a read-only cache
+    (k_cache [B,K,S,D], v_cache [B,K,S,D], cache_mask [B,S]).
+
+    The cache is only read here: the caller writes the new keys once per step, after
+    all layers, so no layer copies the cache.
+    """
     b, t, h, d = q.shape
     kv = k.shape[2]
     q = q.reshape(b, t, kv, h // kv, d)
-    scores = jnp.einsum("btkgd,bskd->bkgts", q, k, preferred_element_type=jnp.float32)
-    scores = scores * (d ** -0.5)
-    scores = jnp.where(mask[:, None, None, :, :], scores, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    out = jnp.einsum("bkgts,bskd->btkgd", probs, v)
+    neg = jnp.finfo(jnp.float32).min
+    scale = d ** -0.5
+    scores = jnp.einsum("btkgd,bskd->bkgts", q, k, preferred_element_type=jnp.float32) * scale
+    scores = jnp.where(mask[:, None, None, :, :], scores, neg)
+    if cache is None:
+        probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+        return jnp.einsum("bkgts,bskd->btkgd", probs, v).reshape(b, t, h, d)
+    k_cache, v_cache, cache_mask = cache
+    s = k_cache.shape[2]
+    if t == 1:
+        # One-token decode is memory bound: multiply-and-reduce reads the cache once
+        # in its stored layout, where a dot would first transpose it (4x slower on CPU).
+        q1 = q[:, 0].astype(jnp.float32)  # [b, k, g, d]
+        old = jnp.sum(q1[:, :, :, None, :] * k_cache[:, :, None, :, :], axis=-1)[:, :, :, None, :]
+    else:
+        old = jnp.einsum("btkgd,bksd->bkgts", q, k_cache, preferred_element_type=jnp.float32)
+    old = jnp.where(cache_mask[:, None, None, None, :], old * scale, neg)
+    probs = jax.nn.softmax(jnp.concatenate([old, scores], axis=-1), axis=-1)
+    p_old, p_new = probs[..., :s], probs[..., s:].astype(v.dtype)
+    if t == 1:
+        out_old = jnp.sum(p_old[:, :, :, 0, :, None] * v_cache[:, :, None, :, :], axis=-2)[:, None]
+        out_old = out_old.astype(v.dtype)
+    else:
+        out_old = jnp.einsum("bkgts,bksd->btkgd", p_old.astype(v.dtype), v_cache)
+    out = out_old + jnp.einsum("bkgts,bskd->btkgd", p_new, v)
     return out.reshape(b, t, h, d)
 
 
@@ -182,7 +209,7 @@ class Qwen2(nnx.Module):
 
     def init_cache(self, batch: int, max_length: int, dtype: Any = None) -> KVCache:
         c = self.config
-        shape = (c.num_layers, batch, max_length, c.num_kv_heads, c.head_dim)
+        shape = (c.num_layers, batch, c.num_kv_heads, max_length, c.head_dim)
         dtype = dtype or self.dtype
         return KVCache(k=constrain(jnp.zeros(shape, dtype), CACHE_AXES),
                        v=constrain(jnp.zeros(shape, dtype), CACHE_AXES),
@@ -195,25 +222,26 @@ class Qwen2(nnx.Module):
         c = self.config
         b, t = tokens.shape
         idx = jnp.arange(t, dtype=jnp.int32)
+        causal = idx[None, :, None] >= idx[None, None, :]
         if cache is None:
             if attention_mask is None:
                 positions = jnp.broadcast_to(idx, (b, t))
-                key_ok = jnp.ones((b, t), bool)
+                mask = jnp.broadcast_to(causal, (b, t, t))
             else:
                 key_ok = attention_mask.astype(bool)
                 positions = jnp.maximum(jnp.cumsum(key_ok, axis=-1, dtype=jnp.int32) - 1, 0)
-            mask = (idx[None, :, None] >= idx[None, None, :]) & key_ok[:, None, :]
+                mask = causal & key_ok[:, None, :]
+            cache_mask = None
         else:
             positions = cache.lengths[:, None] + idx[None, :]
-            # Slot s holds position s: a query sees every slot up to its own position.
-            slots = jnp.arange(cache.max_length, dtype=jnp.int32)
-            mask = slots[None, None, :] <= positions[:, :, None]
+            mask = jnp.broadcast_to(causal, (b, t, t))
+            # Slot s holds position s; slots at or past a row's length are stale.
+            cache_mask = jnp.arange(cache.max_length, dtype=jnp.int32)[None, :] < cache.lengths[:, None]
 
         x = self.embed[...].astype(self.dtype)[tokens]
         x = constrain(x, ("batch", "length", "act_embed"))
         cos, sin = rope_tables(positions, c.head_dim, c.rope_theta)
         layer_params = {name: p[...] for name, p in self.layers.items()}
-        rows = jnp.arange(b)[:, None]
 
         def layer(x, xs):
             p, kc, vc = xs
@@ -225,13 +253,8 @@ class Qwen2(nnx.Module):
             q = constrain(apply_rope(q, cos, sin), ("batch", "length", "act_heads", "head_dim"))
             k = constrain(apply_rope(k, cos, sin), ("batch", "length", "act_kv_heads", "head_dim"))
             v = constrain(v, ("batch", "length", "act_kv_heads", "head_dim"))
-            if kc is not None:
-                # Write this call's keys at each row's own positions; slots past the
-                # end are dropped (the caller sizes the cache), never clamped.
-                kc = kc.at[rows, positions].set(k.astype(kc.dtype), mode="drop")
-                vc = vc.at[rows, positions].set(v.astype(vc.dtype), mode="drop")
-                k, v = kc.astype(self.dtype), vc.astype(self.dtype)
-            out = attention(q, k, v, mask)
+            read = None if kc is None else (kc.astype(self.dtype), vc.astype(self.dtype), cache_mask)
+            out = attention(q, k, v, mask, read)
             x = x + jnp.einsum("bthd,hde->bte", out, p["o_kernel"])
             h = rms_norm(x, p["post_norm"], c.rms_norm_eps)
             gate = jnp.einsum("bte,em->btm", h, p["gate_kernel"])
@@ -239,7 +262,7 @@ class Qwen2(nnx.Module):
             act = constrain(jax.nn.silu(gate) * up, ("batch", "length", "act_mlp"))
             x = x + jnp.einsum("btm,me->bte", act, p["down_kernel"])
             x = constrain(x, ("batch", "length", "act_embed"))
-            return x, (kc, vc)
+            return x, (None, None) if kc is None else (k, v)
 
         if self.remat != "none":
             layer = jax.checkpoint(layer, policy=REMAT_POLICIES[self.remat], prevent_cse=False)
@@ -248,5 +271,12 @@ class Qwen2(nnx.Module):
         x = rms_norm(x, self.final_norm[...], c.rms_norm_eps)
         if cache is None:
             return x, None
+        # One write for all layers: this call's keys at each row's own positions. Slots
+        # past the end are dropped (the caller sizes the cache), never clamped.
+        rows = jnp.arange(b)[:, None]
+        # Advanced indices split by a slice come first: values are [B, T, L, K, D].
+        put = lambda x: jnp.moveaxis(x, 0, 2).astype(cache.k.dtype)
+        k_all = cache.k.at[:, rows, :, positions].set(put(k_new), mode="drop")
+        v_all = cache.v.at[:, rows, :, positions].set(put(v_new), mode="drop")
         step = t if num_new is None else num_new.astype(jnp.int32)
-        return x, KVCache(k=k_new, v=v_new, lengths=cache.lengths + step)
+        return x, KVCache(k=k_all, v=v_all, lengths=cache.lengths + step)

@@ -67,23 +67,56 @@ def sample_tokens(logits: jax.Array, key: jax.Array, cfg: SamplingConfig) -> tup
     """Sample one token per row; returns (ids [B], logprob [B] under the temperature-scaled distribution)."""
     if cfg.greedy:
         tok = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-        scaled = logits
-    else:
-        scaled = logits / cfg.temperature
-        if cfg.top_k or cfg.top_p < 1.0:
-            vals, idx = (jax.lax.top_k(scaled, cfg.top_k) if cfg.top_k else
-                         (lambda i: (jnp.take_along_axis(scaled, i, -1), i))(jnp.argsort(-scaled, -1)))
-            if cfg.top_p < 1.0:
-                probs = jax.nn.softmax(vals, axis=-1)
-                # Keep the smallest prefix whose mass reaches top_p (the first token always).
-                keep = jnp.cumsum(probs, axis=-1) - probs < cfg.top_p
-                vals = jnp.where(keep, vals, -jnp.inf)
-            pick = jax.random.categorical(key, vals, axis=-1)
-            tok = jnp.take_along_axis(idx, pick[:, None], -1)[:, 0].astype(jnp.int32)
+        return tok, jnp.take_along_axis(jax.nn.log_softmax(logits, -1), tok[:, None], -1)[:, 0]
+    scaled = logits / cfg.temperature
+    logp = jax.nn.log_softmax(scaled, -1)
+    if cfg.top_k or cfg.top_p < 1.0:
+        if cfg.top_k:
+            vals, idx = jax.lax.top_k(logp, cfg.top_k)
         else:
-            tok = jax.random.categorical(key, scaled, axis=-1).astype(jnp.int32)
-    logprob = jnp.take_along_axis(jax.nn.log_softmax(scaled, -1), tok[:, None], -1)[:, 0]
-    return tok, logprob
+            idx = jnp.argsort(-logp, axis=-1)
+            vals = jnp.take_along_axis(logp, idx, -1)
+        if cfg.top_p < 1.0:
+            # Keep the smallest prefix whose mass reaches top_p (the first token always).
+            probs = jnp.exp(vals)
+            keep = jnp.cumsum(probs, axis=-1) - probs < cfg.top_p * probs.sum(-1, keepdims=True)
+            vals = jnp.where(keep, vals, -jnp.inf)
+        tok = jnp.take_along_axis(idx, _inverse_cdf(vals, key)[:, None], -1)[:, 0]
+    else:
+        tok = _inverse_cdf(logp, key)
+    return tok.astype(jnp.int32), jnp.take_along_axis(logp, tok[:, None], -1)[:, 0]
+
+
+def _inverse_cdf(logp: jax.Array, key: jax.Array, width: int = 256) -> jax.Array:
+    """Categorical sample per row from (unnormalised) log-probs with ONE uniform per row.
+
+    Gumbel-max needs a random number per vocabulary entry and a flat cumsum over the
+    vocabulary is slow on CPU; so the CDF is walked in two levels: cumsum over chunk
+    sums picks the chunk, a cumsum inside that chunk picks the token.
+    """
+    b, v = logp.shape
+    chunks = -(-v // width)
+    p = jnp.exp(logp - logp.max(-1, keepdims=True))
+    p = jnp.pad(p, ((0, 0), (0, chunks * width - v))).reshape(b, chunks, width)
+    sums = p.sum(-1)
+    csum = jnp.cumsum(sums, -1)
+    u = jax.random.uniform(key, (b,)) * csum[:, -1]
+    c = jnp.minimum(jnp.sum(csum <= u[:, None], -1), chunks - 1)
+    rest = u - jnp.take_along_axis(csum - sums, c[:, None], -1)[:, 0]
+    block = jnp.take_along_axis(p, c[:, None, None], 1)[:, 0]
+    j = jnp.minimum(jnp.sum(jnp.cumsum(block, -1) <= rest[:, None], -1), width - 1)
+    tok = jnp.minimum(c * width + j, v - 1)
+    # Float rounding at a boundary can land on a zero-probability entry: fall back to argmax.
+    bad = jnp.take_along_axis(logp, tok[:, None], -1)[:, 0] == -jnp.inf
+    return jnp.where(bad, jnp.argmax(logp, -1), tok).astype(jnp.int32)
+
+
+def _extend_last(model: Qwen2, tokens, cache, n) -> tuple[jax.Array, KVCache]:
+    """Append ragged tokens; logits [B, V] at each row's last new token only (the LM head
+    over every prompt position would be ~40% of a small model's prefill)."""
+    hidden, cache = model.hidden_states(tokens, cache=cache, num_new=n)
+    last = jnp.take_along_axis(hidden, jnp.maximum(n - 1, 0)[:, None, None], 1)[:, 0]
+    return model.logits(last), cache
 
 
 def _prefill(graphdef, params, prompts, lengths, key, *, group_size: int, cache_len: int,
@@ -91,8 +124,7 @@ def _prefill(graphdef, params, prompts, lengths, key, *, group_size: int, cache_
     model: Qwen2 = nnx.merge(graphdef, params)
     p = prompts.shape[0]
     cache = model.init_cache(p, cache_len, cache_dtype)
-    logits, cache = model.extend(prompts, cache, lengths)
-    last = jnp.take_along_axis(logits, (lengths - 1)[:, None, None], 1)[:, 0]
+    last, cache = _extend_last(model, prompts, cache, lengths)
     # Each prompt is prefilled once; its cache is copied to its G group members.
     rep = lambda x, axis: jnp.repeat(x, group_size, axis=axis)
     cache = KVCache(k=rep(cache.k, 1), v=rep(cache.v, 1), lengths=rep(cache.lengths, 0))
@@ -144,8 +176,7 @@ def _insert(graphdef, params, state: SamplerState, ids, n, end_rows) -> SamplerS
     """Append `ids[b, :n[b]]` to row b (cache and response, loss mask 0), unpause every row,
     and end the rows in `end_rows`."""
     model: Qwen2 = nnx.merge(graphdef, params)
-    logits, cache = model.extend(ids, state.cache, n)
-    last = jnp.take_along_axis(logits, jnp.maximum(n - 1, 0)[:, None, None], 1)[:, 0]
+    last, cache = _extend_last(model, ids, state.cache, n)
     width = state.resp.shape[1]
     cols = state.resp_len[:, None] + jnp.arange(ids.shape[1])[None, :]
     cols = jnp.where(jnp.arange(ids.shape[1])[None, :] < n[:, None], cols, width)  # drop padding

@@ -1,0 +1,196 @@
+"""Sampler throughput against Hugging Face `generate`, measured in one run.
+
+    python scripts/bench_sampler.py [--out bench_sampler.json] [--repeats 3]
+
+Same random-weight Qwen2 in both (sem_jax loads the checkpoint transformers wrote),
+same prompts, greedy and sampled, every row generating exactly the same number of
+tokens (no EOS). Compile time is reported apart; timed runs follow a warm-up.
+Also the cost of pausing: the same generated tokens with 2 search pauses per row
+(full rollout host loop: parse, one retriever call per round, tokenize, append-prefill).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import re
+import statistics
+import sys
+import tempfile
+import time
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+SHAPES = {
+    "tiny": dict(cfg=dict(vocab_size=8192, hidden_size=256, intermediate_size=768, num_hidden_layers=4,
+                          num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True),
+                 batch=32, prompt=32, new=64),
+    "qwen2.5-0.5b": dict(cfg=dict(vocab_size=151936, hidden_size=896, intermediate_size=4864,
+                                  num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
+                                  tie_word_embeddings=True),
+                         batch=8, prompt=32, new=32),
+}
+
+
+class WordTokenizer:
+    """Words and punctuation runs as ids (assigned on first sight): enough for the rollout's
+    host work on a model without a tokenizer, with result blocks of realistic token counts."""
+
+    def __init__(self, vocab_size):
+        self.vocab_size, self.ids, self.words = vocab_size, {}, {}
+
+    def encode(self, text, add_special_tokens=False):
+        out = []
+        for w in re.findall(r"\s*\w+|\s*[^\w\s]+|\s+", text):
+            if w not in self.ids:
+                i = len(self.ids) % self.vocab_size
+                self.ids[w], self.words[i] = i, w
+            out.append(self.ids[w])
+        return out
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(self.words.get(int(i), " w%d" % int(i)) for i in ids)
+
+
+class FixedQueryRetriever:
+    """Real bm25s searches, with a fixed query (random weights write no real ones)."""
+
+    def __init__(self):
+        from sem_jax.retrieval import Retriever
+        docs = [{"id": str(i), "title": f"Doc {i}", "text": f"passage {i} about topic {i % 7} and city {i % 13}"}
+                for i in range(2000)]
+        self.inner = Retriever.build(docs, show_progress=False)
+
+    def search(self, queries, k):
+        return self.inner.search(["topic 3 city 5"] * len(queries), k)
+
+
+def _timed(fn, repeats):
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def bench_shape(name, spec, repeats, torch_threads):
+    import torch
+    import transformers
+
+    from sem_jax.model import from_pretrained
+    from sem_jax.retrieval import format_results
+    from sem_jax.sampling import RolloutConfig, Sampler, SamplingConfig, rollout
+    from sem_jax.sampling.stop import StopAutomaton
+
+    cfg = transformers.Qwen2Config(rope_theta=1e6, max_position_embeddings=4096, **spec["cfg"])
+    torch.manual_seed(0)
+    hf = transformers.Qwen2ForCausalLM(cfg).eval()
+    tmp = tempfile.mkdtemp()
+    hf.save_pretrained(tmp)
+    model = from_pretrained(tmp)
+    b, p, new = spec["batch"], spec["prompt"], spec["new"]
+    prompts = np.random.RandomState(0).randint(0, cfg.vocab_size, (b, p))
+    rows = {}
+
+    never = StopAutomaton(("</search>",), np.zeros((cfg.vocab_size, 1), np.int32))
+    for mode in ("greedy", "sampled"):
+        scfg = SamplingConfig(max_new_tokens=new, greedy=mode == "greedy", temperature=1.0)
+        sampler = Sampler(model, never, scfg)
+
+        def run(key=jax.random.key(0)):
+            state = sampler.decode(sampler.start(prompts.tolist(), 1, key))
+            jax.block_until_ready(state.resp)
+            assert int(state.resp_len.min()) == new
+
+        t0 = time.perf_counter()
+        run()
+        compile_s = time.perf_counter() - t0
+        ours = _timed(run, repeats)
+
+        ids = torch.tensor(prompts)
+        gen_kw = dict(max_new_tokens=new, min_new_tokens=new, do_sample=mode == "sampled", use_cache=True,
+                      pad_token_id=0, eos_token_id=None)
+        if mode == "sampled":
+            gen_kw.update(temperature=1.0, top_k=0, top_p=1.0)
+
+        def run_hf():
+            with torch.no_grad():
+                out = hf.generate(ids, attention_mask=torch.ones_like(ids), **gen_kw)
+            assert out.shape == (b, p + new)
+
+        run_hf()  # warm-up
+        theirs = _timed(run_hf, repeats)
+        tokens = b * new
+        rows[mode] = dict(sem_jax_tok_s=tokens / ours, hf_generate_tok_s=tokens / theirs,
+                          speedup=theirs / ours, sem_jax_s=ours, hf_generate_s=theirs,
+                          sem_jax_first_call_s=compile_s)
+        print(f"[{name}] {mode:8s} sem_jax {tokens / ours:9.1f} tok/s | HF generate {tokens / theirs:9.1f} tok/s"
+              f" | x{theirs / ours:.2f} | first call (compile) {compile_s:.1f}s", flush=True)
+
+    # Pause cost: 2 pauses per row (a counting automaton fires every `every` tokens since
+    # the last resume), with the rollout's full host round each time.
+    every = new // 3 + 1
+    counter = np.zeros((cfg.vocab_size, every), np.int32)
+    for s in range(every):
+        nxt = s + 1
+        counter[:, s] = (0 * 2 + 1) if nxt == every else nxt * 2
+    pausing = StopAutomaton(("<every %d tokens>" % every,), counter)
+    tok, retriever = WordTokenizer(cfg.vocab_size), FixedQueryRetriever()
+    rcfg = RolloutConfig(group_size=1, max_searches=2, top_k=1, max_tokens_per_passage=16)
+    block = len(tok.encode(format_results(retriever.search(["q"], 1)[0], tok, rcfg.max_tokens_per_passage)))
+    results = {}
+    for label, stop, budget in (("no_pause", never, new), ("two_pauses", pausing, new + 2 * block)):
+        # The budget counts inserted tokens: widen it by two blocks so both runs sample `new`.
+        sampler = Sampler(model, stop, SamplingConfig(max_new_tokens=budget, greedy=True))
+        info = {}
+
+        def run_rollout():
+            trajs, stats = rollout(sampler, tok, retriever, prompts.tolist(), jax.random.key(0), rcfg)
+            info.update(sampled=sum(int(t.loss_mask.sum()) for t in trajs),
+                        inserted=sum(int((t.loss_mask == 0).sum()) for t in trajs),
+                        searches=sum(t.num_searches for t in trajs), decode_s=stats.decode_s,
+                        retrieval_s=stats.retrieval_s, insert_s=stats.insert_s)
+
+        run_rollout()
+        results[label] = dict(seconds=_timed(run_rollout, repeats))
+        results[label].update(info)
+    overhead = results["two_pauses"]["seconds"] / results["no_pause"]["seconds"] - 1
+    rows["pause"] = dict(results, overhead=overhead)
+    print(f"[{name}] pauses: {results['two_pauses']['searches'] / b:.1f} per row, sampled tokens "
+          f"{results['no_pause']['sampled']} vs {results['two_pauses']['sampled']}, inserted "
+          f"{results['two_pauses']['inserted']}: {results['no_pause']['seconds']:.3f}s -> "
+          f"{results['two_pauses']['seconds']:.3f}s, overhead {overhead * 100:.1f}% (last run: decode "
+          f"{results['two_pauses']['decode_s']:.3f}s, retrieval {results['two_pauses']['retrieval_s']:.3f}s, "
+          f"append-prefill {results['two_pauses']['insert_s']:.3f}s)", flush=True)
+    return rows
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default="bench_sampler.json")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--shapes", default="tiny,qwen2.5-0.5b")
+    args = ap.parse_args(argv)
+    import torch
+    torch.set_num_threads(os.cpu_count() or 1)
+    jax.config.update("jax_default_matmul_precision", "highest")  # f32 both sides
+    report = dict(machine=dict(platform=platform.platform(), cpus=os.cpu_count(),
+                               jax=jax.__version__, torch=torch.__version__,
+                               jax_devices=[str(d) for d in jax.devices()]),
+                  results={})
+    for name in args.shapes.split(","):
+        report["results"][name] = bench_shape(name, SHAPES[name], args.repeats, torch.get_num_threads())
+    with open(args.out, "w") as fh:
+        json.dump(report, fh, indent=2)
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
