@@ -1,0 +1,86 @@
+"""Chunked token log-probabilities and the GRPO loss as (sum, count) pairs."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from sem_jax.model.qwen2 import Qwen2
+
+LOSS_AGGREGATIONS = ("seq_mean_token_mean", "token_mean", "dr_grpo")
+
+
+@dataclasses.dataclass(frozen=True)
+class GRPOConfig:
+    beta: float = 0.001             # KL coefficient (k3 estimator); 0 skips the reference model
+    clip_eps: float = 0.2
+    clip_eps_high: float | None = None  # asymmetric upper clip (DAPO); None = clip_eps
+    loss_agg: str = "seq_mean_token_mean"
+    dr_grpo_length: int = 512       # constant normaliser for loss_agg="dr_grpo"
+
+    def __post_init__(self):
+        if self.loss_agg not in LOSS_AGGREGATIONS:
+            raise ValueError(f"loss_agg={self.loss_agg!r}; choose one of {LOSS_AGGREGATIONS}")
+
+
+def token_logprobs(model: Qwen2, inputs: jax.Array, targets: jax.Array,
+                   chunk: int = 128) -> tuple[jax.Array, jax.Array]:
+    """log p(target_t | inputs_<=t) and entropy, [B, T] float32, without ever holding [B, T, V].
+
+    The LM head runs chunk by chunk of the sequence under `jax.checkpoint`, so the
+    backward pass recomputes each chunk's logits instead of storing them.
+    """
+    hidden, _ = model.hidden_states(inputs)
+    w = model.lm_head_weight()
+    b, t, e = hidden.shape
+    chunk = min(chunk, t)
+    if t % chunk:
+        raise ValueError(f"sequence length {t} is not a multiple of the log-prob chunk {chunk}")
+    h = hidden.reshape(b, t // chunk, chunk, e).swapaxes(0, 1)
+    tg = targets.reshape(b, t // chunk, chunk).swapaxes(0, 1)
+
+    @jax.checkpoint
+    def one(args):
+        hc, tc = args
+        logits = jnp.einsum("bce,ev->bcv", hc, w, preferred_element_type=jnp.float32)
+        lse = jax.nn.logsumexp(logits, axis=-1)
+        lp = jnp.take_along_axis(logits, tc[..., None], -1)[..., 0] - lse
+        probs = jnp.exp(logits - lse[..., None])
+        ent = lse - jnp.sum(probs * logits, axis=-1)
+        return lp, jax.lax.stop_gradient(ent)
+
+    lp, ent = jax.lax.map(one, (h, tg))
+    return lp.swapaxes(0, 1).reshape(b, t), ent.swapaxes(0, 1).reshape(b, t)
+
+
+def grpo_loss(logprobs: jax.Array, old_logprobs: jax.Array, ref_logprobs: jax.Array | None,
+              advantages: jax.Array, mask: jax.Array, cfg: GRPOConfig) -> tuple[jax.Array, jax.Array, dict]:
+    """Clipped-ratio policy gradient + beta * k3 KL. Returns (loss_sum, count, stats sums).
+
+    loss = loss_sum / count, with sums and counts added over micro-batches first, so
+    gradient accumulation gives the same result as one big batch.
+    """
+    adv = advantages[:, None]
+    ratio = jnp.exp(logprobs - old_logprobs)
+    high = cfg.clip_eps if cfg.clip_eps_high is None else cfg.clip_eps_high
+    clipped = jnp.clip(ratio, 1 - cfg.clip_eps, 1 + high)
+    per_token = -jnp.minimum(ratio * adv, clipped * adv)
+    kl = jnp.zeros_like(per_token)
+    if ref_logprobs is not None and cfg.beta > 0:
+        d = ref_logprobs - logprobs
+        kl = jnp.exp(d) - d - 1.0
+        per_token = per_token + cfg.beta * kl
+    tokens = mask.sum(-1)
+    if cfg.loss_agg == "seq_mean_token_mean":
+        loss_sum = jnp.sum((per_token * mask).sum(-1) / jnp.maximum(tokens, 1.0))
+        count = jnp.sum(tokens > 0).astype(jnp.float32)
+    elif cfg.loss_agg == "token_mean":
+        loss_sum, count = jnp.sum(per_token * mask), jnp.sum(mask)
+    else:  # dr_grpo: a constant normaliser, independent of response lengths
+        loss_sum = jnp.sum(per_token * mask)
+        count = jnp.float32(mask.shape[0] * cfg.dr_grpo_length)
+    was_clipped = ((ratio < 1 - cfg.clip_eps) & (adv < 0)) | ((ratio > 1 + high) & (adv > 0))
+    stats = {"kl": jnp.sum(kl * mask), "clip_frac": jnp.sum(was_clipped * mask), "tokens": jnp.sum(mask)}
+    return loss_sum, count, stats

@@ -1,0 +1,129 @@
+"""The jitted GRPO update: micro-batched gradients, AdamW, global-norm clipping, and a
+non-finite guard that skips (and counts) a bad step instead of applying it."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from sem_jax.rl.loss import GRPOConfig, grpo_loss, token_logprobs
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimConfig:
+    lr: float = 1e-6
+    weight_decay: float = 0.01
+    b1: float = 0.9
+    b2: float = 0.999
+    eps: float = 1e-8
+    grad_clip: float = 1.0
+    warmup_steps: int = 0
+    schedule: str = "constant"  # or "cosine" (to 0 at total_steps)
+    total_steps: int = 1000
+
+
+def make_optimizer(cfg: OptimConfig) -> optax.GradientTransformation:
+    warm = max(cfg.warmup_steps, 0)
+    if cfg.schedule == "constant":
+        sched = optax.join_schedules([optax.linear_schedule(0.0, cfg.lr, warm), optax.constant_schedule(cfg.lr)],
+                                     [warm]) if warm else optax.constant_schedule(cfg.lr)
+    elif cfg.schedule == "cosine":
+        sched = optax.warmup_cosine_decay_schedule(0.0 if warm else cfg.lr, cfg.lr, warm,
+                                                   max(cfg.total_steps, warm + 1))
+    else:
+        raise ValueError(f"schedule={cfg.schedule!r}; choose constant or cosine")
+    return optax.chain(optax.clip_by_global_norm(cfg.grad_clip),
+                       optax.adamw(sched, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay))
+
+
+def _micro(batch: dict[str, jax.Array], size: int) -> dict[str, jax.Array]:
+    return {k: v.reshape(v.shape[0] // size, size, *v.shape[1:]) for k, v in batch.items()}
+
+
+class GRPOTrainer:
+    """Holds the jitted logprob and update functions for one model graph."""
+
+    def __init__(self, model: Any, grpo: GRPOConfig, optim: OptimConfig, *, micro_batch: int,
+                 logprob_chunk: int = 128):
+        self.graphdef, _ = nnx.split(model)
+        self.grpo, self.micro_batch, self.chunk = grpo, micro_batch, logprob_chunk
+        self.tx = make_optimizer(optim)
+        self.ref_passes = 0  # reference forward passes run (0 when beta == 0)
+        self._logprobs = jax.jit(self._logprobs_fn)
+        self._update = jax.jit(self._update_fn, donate_argnums=(0, 1))
+
+    def init_opt_state(self, params):
+        return self.tx.init(params)
+
+    # -- pure functions -----------------------------------------------------------------
+
+    def _logprobs_fn(self, params, batch):
+        def one(mb):
+            lp, _ = token_logprobs(nnx.merge(self.graphdef, params), mb["inputs"], mb["targets"], self.chunk)
+            return lp
+        mbs = _micro({"inputs": batch["inputs"], "targets": batch["targets"]}, self.micro_batch)
+        lp = jax.lax.map(one, mbs)
+        return lp.reshape(-1, lp.shape[-1])
+
+    def _update_fn(self, params, opt_state, batch, ref_logprobs):
+        def loss_fn(p, mb):
+            lp, ent = token_logprobs(nnx.merge(self.graphdef, p), mb["inputs"], mb["targets"], self.chunk)
+            old = mb["old_logprobs"] if "old_logprobs" in mb else jax.lax.stop_gradient(lp)
+            loss_sum, count, stats = grpo_loss(lp, old, mb.get("ref_logprobs"), mb["advantages"], mb["mask"],
+                                               self.grpo)
+            m = mb["mask"]
+            stats = dict(stats, entropy=jnp.sum(ent * m),
+                         sampler_gap=jnp.sum(jnp.abs(jax.lax.stop_gradient(lp) - mb["sampler_logprobs"]) * m))
+            return loss_sum, (count, stats)
+
+        data = dict(batch)
+        if ref_logprobs is not None:
+            data["ref_logprobs"] = ref_logprobs
+        mbs = _micro(data, self.micro_batch)
+        zeros = jax.tree.map(jnp.zeros_like, params)
+
+        def body(carry, mb):
+            gsum, lsum, csum, ssum = carry
+            (l, (c, s)), g = jax.value_and_grad(loss_fn, has_aux=True)(params, mb)
+            return (jax.tree.map(jnp.add, gsum, g), lsum + l, csum + c,
+                    jax.tree.map(jnp.add, ssum, s)), None
+
+        stat0 = {k: jnp.float32(0) for k in ("kl", "clip_frac", "tokens", "entropy", "sampler_gap")}
+        (gsum, lsum, count, stats), _ = jax.lax.scan(body, (zeros, jnp.float32(0), jnp.float32(0), stat0), mbs)
+        count = jnp.maximum(count, 1.0)
+        grads = jax.tree.map(lambda g: g / count, gsum)
+        loss = lsum / count
+        grad_norm = optax.tree.norm(grads)
+        ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+        updates, new_opt = self.tx.update(grads, opt_state, params)
+        new_params = optax.apply_updates(params, updates)
+        params, opt_state = jax.lax.cond(ok, lambda: (new_params, new_opt), lambda: (params, opt_state))
+        tokens = jnp.maximum(stats["tokens"], 1.0)
+        metrics = {"loss": loss, "grad_norm": grad_norm, "skipped": (~ok).astype(jnp.int32),
+                   "kl": stats["kl"] / tokens, "clip_frac": stats["clip_frac"] / tokens,
+                   "entropy": stats["entropy"] / tokens, "sampler_gap": stats["sampler_gap"] / tokens}
+        return params, opt_state, metrics
+
+    # -- host API -----------------------------------------------------------------------
+
+    def logprobs(self, params, batch: dict[str, np.ndarray]) -> jax.Array:
+        """Per-target log-probs [N, T] (for the reference policy, or old logprobs)."""
+        return self._logprobs(params, {k: batch[k] for k in ("inputs", "targets")})
+
+    def reference_logprobs(self, ref_params, batch):
+        """None when beta == 0: the reference pass is then never run."""
+        if self.grpo.beta == 0 or ref_params is None:
+            return None
+        self.ref_passes += 1
+        return self.logprobs(ref_params, batch)
+
+    def update(self, params, opt_state, batch: dict[str, Any], ref_logprobs=None):
+        """One optimizer step over all micro-batches. Donates params and opt_state."""
+        keys = ("inputs", "targets", "mask", "advantages", "sampler_logprobs", "old_logprobs")
+        return self._update(params, opt_state, {k: batch[k] for k in keys if k in batch}, ref_logprobs)

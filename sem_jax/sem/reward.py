@@ -1,0 +1,51 @@
+"""Rewards selected by config: `sem` (the paper's answer-first reward) and `research`
+(the ReSearch baseline). Every constant is a config field."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from sem_jax.data.example import Example
+from sem_jax.sem.parse import Parsed
+from sem_jax.sem.scoring import score_answer
+
+CASES = ("invalid", "direct_correct", "direct_wrong", "redundant_search", "search_after_wrong",
+         "research_correct", "research_wrong")
+
+
+@dataclasses.dataclass(frozen=True)
+class RewardParams:
+    r_direct: float = 1.0           # first answer correct, no search
+    search_penalty: float = 0.5     # subtracted when a correct first answer is followed by a search
+    r_no_search_wrong: float = 0.0  # first answer wrong, no search
+    r_search_base: float = 0.1      # first answer wrong, searched: base ...
+    r_search_scale: float = 0.9     # ... plus scale * F1(final answer)
+    tau: float = 0.8                # F1 at or above which an answer counts as correct
+    research_format_reward: float = 0.1  # ReSearch: well-formed but wrong
+
+
+def sem_reward(p: Parsed, ex: Example, rp: RewardParams) -> tuple[float, str]:
+    if not p.valid:
+        return 0.0, "invalid"
+    first_ok = score_answer(p.first_answer, ex)[1] >= rp.tau
+    if p.num_searches == 0:
+        return (rp.r_direct, "direct_correct") if first_ok else (rp.r_no_search_wrong, "direct_wrong")
+    if first_ok:
+        return rp.r_direct - rp.search_penalty, "redundant_search"
+    return rp.r_search_base + rp.r_search_scale * score_answer(p.final_answer, ex)[1], "search_after_wrong"
+
+
+def research_reward(p: Parsed, ex: Example, rp: RewardParams) -> tuple[float, str]:
+    if not p.valid:
+        return 0.0, "invalid"
+    f1 = score_answer(p.answer, ex)[1]
+    return (f1, "research_correct") if f1 > 0 else (rp.research_format_reward, "research_wrong")
+
+
+REWARDS = {"sem": sem_reward, "research": research_reward}
+
+
+def get_reward(name: str):
+    if name not in REWARDS:
+        raise ValueError(f"reward={name!r}; choose one of {sorted(REWARDS)}")
+    return REWARDS[name]

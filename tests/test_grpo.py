@@ -1,0 +1,174 @@
+"""GRPO: advantages, chunked logprobs, loss and gradients against numpy; the jitted update."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from policies import random_qwen2
+
+from sem_jax.rl.advantages import group_advantages
+from sem_jax.rl.loss import GRPOConfig, grpo_loss, token_logprobs
+from sem_jax.rl.trainer import GRPOTrainer, OptimConfig
+
+
+def test_group_advantages():
+    r = np.array([1.0, 0.0, 0.5, 0.5, 2.0, 2.0, 2.0, 2.0])
+    adv = group_advantages(r, 4)
+    g = r[:4]
+    np.testing.assert_allclose(adv[:4], (g - g.mean()) / (g.std() + 1e-6), rtol=1e-6)
+    np.testing.assert_allclose(adv[4:], 0.0)  # identical rewards: no signal
+    np.testing.assert_allclose(group_advantages(r, 4, scale_by_std=False)[:4], g - g.mean())
+    with pytest.raises(ValueError, match="groups of 3"):
+        group_advantages(r, 3)
+
+
+def _np_log_softmax(x):
+    x = x - x.max(-1, keepdims=True)
+    return x - np.log(np.exp(x).sum(-1, keepdims=True))
+
+
+def test_chunked_logprobs_equal_full_log_softmax():
+    model = random_qwen2(0)
+    rng = np.random.RandomState(0)
+    inputs = rng.randint(0, 211, (3, 16))
+    targets = rng.randint(0, 211, (3, 16))
+    lp, ent = token_logprobs(model, jnp.asarray(inputs), jnp.asarray(targets), chunk=4)
+    full = _np_log_softmax(np.asarray(model(jnp.asarray(inputs)), np.float64))
+    want = np.take_along_axis(full, targets[..., None], -1)[..., 0]
+    np.testing.assert_allclose(np.asarray(lp), want, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(ent), -(np.exp(full) * full).sum(-1), atol=1e-4)
+
+
+def _np_loss_and_grad(lp, old, ref, adv, mask, cfg):
+    """Plain numpy: loss and d loss / d lp."""
+    a = adv[:, None]
+    r = np.exp(lp - old)
+    hi = cfg.clip_eps if cfg.clip_eps_high is None else cfg.clip_eps_high
+    c = np.clip(r, 1 - cfg.clip_eps, 1 + hi)
+    unclipped_is_min = r * a <= c * a
+    per = -np.minimum(r * a, c * a)
+    g = np.where(unclipped_is_min, -a * r, 0.0)
+    if cfg.beta:
+        d = ref - lp
+        per = per + cfg.beta * (np.exp(d) - d - 1)
+        g = g + cfg.beta * (1 - np.exp(d))
+    n = mask.sum(-1)
+    if cfg.loss_agg == "seq_mean_token_mean":
+        w = mask / np.maximum(n, 1)[:, None] / (n > 0).sum()
+    elif cfg.loss_agg == "token_mean":
+        w = mask / mask.sum()
+    else:
+        w = mask / (mask.shape[0] * cfg.dr_grpo_length)
+    return (per * w).sum(), g * w
+
+
+@pytest.mark.parametrize("agg", ["seq_mean_token_mean", "token_mean", "dr_grpo"])
+@pytest.mark.parametrize("beta,high", [(0.0, None), (0.04, None), (0.04, 0.28)])
+def test_grpo_loss_and_gradient_match_numpy(agg, beta, high):
+    rng = np.random.RandomState(1)
+    shape = (4, 9)
+    lp = rng.randn(*shape) * 0.5 - 2
+    old = lp + rng.randn(*shape) * 0.4   # ratios well outside [0.8, 1.2]: clipping active
+    ref = lp + rng.randn(*shape) * 0.3
+    adv = np.array([1.5, -0.7, 0.0, -2.0])
+    mask = (rng.rand(*shape) > 0.3).astype(np.float64)
+    mask[2] = 0.0  # an empty row
+    cfg = GRPOConfig(beta=beta, clip_eps=0.2, clip_eps_high=high, loss_agg=agg, dr_grpo_length=12)
+
+    def loss(lp_):
+        s, c, _ = grpo_loss(lp_, jnp.asarray(old, jnp.float32), jnp.asarray(ref, jnp.float32),
+                            jnp.asarray(adv, jnp.float32), jnp.asarray(mask, jnp.float32), cfg)
+        return s / c
+
+    val, grad = jax.value_and_grad(loss)(jnp.asarray(lp, jnp.float32))
+    want_val, want_grad = _np_loss_and_grad(lp, old, ref, adv, mask, cfg)
+    np.testing.assert_allclose(float(val), want_val, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(grad), want_grad, rtol=1e-4, atol=1e-6)
+    assert (np.asarray(grad)[mask == 0] == 0).all()
+
+
+def _batch(rng, n=4, t=16, vocab=211):
+    mask = np.zeros((n, t), np.float32)
+    for i in range(n):
+        mask[i, 4:4 + rng.randint(3, 12)] = 1.0
+    return {"inputs": rng.randint(0, vocab, (n, t)).astype(np.int32),
+            "targets": rng.randint(0, vocab, (n, t)).astype(np.int32), "mask": mask,
+            "advantages": rng.randn(n).astype(np.float32),
+            "sampler_logprobs": np.zeros((n, t), np.float32)}
+
+
+def test_param_gradients_chain_through_numpy_grad_and_ignore_masked_tokens():
+    model = random_qwen2(2)
+    graph, params = nnx.split(model)
+    rng = np.random.RandomState(2)
+    b = _batch(rng)
+    cfg = GRPOConfig(beta=0.0)
+
+    def lp_fn(p, targets):
+        return token_logprobs(nnx.merge(graph, p), jnp.asarray(b["inputs"]), targets, chunk=8)[0]
+
+    def loss(p, targets):
+        lp = lp_fn(p, targets)
+        s, c, _ = grpo_loss(lp, jax.lax.stop_gradient(lp), None, jnp.asarray(b["advantages"]),
+                            jnp.asarray(b["mask"]), cfg)
+        return s / c
+
+    targets = jnp.asarray(b["targets"])
+    grads = jax.grad(loss)(params, targets)
+    # Numpy chain rule: dL/dlp from numpy, then the model's vjp.
+    lp = np.asarray(lp_fn(params, targets), np.float64)
+    _, g_lp = _np_loss_and_grad(lp, lp, lp, b["advantages"].astype(np.float64), b["mask"].astype(np.float64), cfg)
+    _, vjp = jax.vjp(lambda p: lp_fn(p, targets), params)
+    (want,) = vjp(jnp.asarray(g_lp, jnp.float32))
+    jax.tree.map(lambda a, w: np.testing.assert_allclose(a, w, rtol=1e-4, atol=1e-6), grads, want)
+    # Changing targets where mask == 0 changes nothing.
+    other = np.where(b["mask"] == 0, (b["targets"] + 7) % 211, b["targets"])
+    grads2 = jax.grad(loss)(params, jnp.asarray(other))
+    jax.tree.map(lambda a, w: np.testing.assert_array_equal(a, w), grads, grads2)
+
+
+def _params_after(trainer, params, batch, steps=2):
+    params = jax.tree.map(jnp.array, params)
+    opt = trainer.init_opt_state(params)
+    for _ in range(steps):
+        params, opt, metrics = trainer.update(params, opt, batch)
+    return params, metrics
+
+
+def test_micro_batches_equal_one_batch_and_nan_step_is_skipped():
+    model = random_qwen2(3)
+    graph, params = nnx.split(model)
+    batch = _batch(np.random.RandomState(3))
+    # eps=1 keeps Adam's step ~linear in the gradient, so summation-order rounding in
+    # tiny gradients is not amplified by 1/sqrt(v).
+    optim = OptimConfig(lr=1e-1, eps=1.0, warmup_steps=0)
+    p_full, m_full = _params_after(GRPOTrainer(model, GRPOConfig(beta=0), optim, micro_batch=4), params, batch)
+    p_micro, m_micro = _params_after(GRPOTrainer(model, GRPOConfig(beta=0), optim, micro_batch=1), params, batch)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), p_full, p_micro)
+    np.testing.assert_allclose(float(m_full["loss"]), float(m_micro["loss"]), rtol=1e-5)
+    np.testing.assert_allclose(float(m_full["grad_norm"]), float(m_micro["grad_norm"]), rtol=1e-5)
+    assert int(m_full["skipped"]) == 0 and np.isfinite(float(m_full["grad_norm"]))
+    assert not np.allclose(np.asarray(p_full["embed"][...]), np.asarray(params["embed"][...]))
+
+    trainer = GRPOTrainer(model, GRPOConfig(beta=0), optim, micro_batch=2)
+    bad = dict(batch, advantages=np.array([1.0, np.nan, 0.5, 0.2], np.float32))
+    before = jax.tree.map(np.asarray, params)
+    p_bad, m_bad = _params_after(trainer, params, bad, steps=1)
+    assert int(m_bad["skipped"]) == 1
+    jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, p_bad), before)
+
+
+def test_reference_pass_skipped_when_beta_is_zero():
+    model = random_qwen2(4)
+    _, params = nnx.split(model)
+    batch = _batch(np.random.RandomState(4))
+    t0 = GRPOTrainer(model, GRPOConfig(beta=0.0), OptimConfig(), micro_batch=2)
+    assert t0.reference_logprobs(params, batch) is None and t0.ref_passes == 0
+    t1 = GRPOTrainer(model, GRPOConfig(beta=0.04), OptimConfig(), micro_batch=2)
+    ref = t1.reference_logprobs(params, batch)
+    assert t1.ref_passes == 1 and ref.shape == batch["inputs"].shape
+    # KL against itself is zero.
+    opt = t1.init_opt_state(params)
+    _, _, metrics = t1.update(jax.tree.map(jnp.array, params), opt, batch, ref)
+    assert abs(float(metrics["kl"])) < 1e-6
