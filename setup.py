@@ -5,6 +5,7 @@ setup(
     version="0.1.0",
     description="SEM: reinforcement learning for search-efficient LLMs, as a JAX/Flax training stack",
     packages=find_packages(include=["sem_jax", "sem_jax.*"]),
+    package_data={"sem_jax.data": ["demo/*.jsonl"]},
     python_requires=">=3.11",
     install_requires=[
         "jax>=0.10,<0.11",

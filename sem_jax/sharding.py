@@ -97,3 +97,21 @@ def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
     if mesh.empty:
         return x
     return jax.lax.with_sharding_constraint(x, logical_to_spec(names, x.shape, dict(mesh.shape)))
+
+
+def shard_params(state, mesh: Mesh):
+    """Place every parameter (an nnx Variable with `axes` metadata) into its sharding."""
+    from flax import nnx
+
+    def put(v):
+        axes = v.get_metadata().get("axes")
+        if axes is None:
+            raise ValueError(f"parameter of shape {v.shape} has no logical `axes` metadata")
+        return v.replace(jax.device_put(v[...], named_sharding(mesh, axes, v.shape)))
+    return jax.tree.map(put, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+def batch_sharding(mesh: Mesh, shape: Sequence[int]) -> NamedSharding:
+    """Rows over the data-parallel axes, everything else replicated."""
+    names = ("batch",) + ("length",) * (len(shape) - 1)
+    return named_sharding(mesh, names, shape)

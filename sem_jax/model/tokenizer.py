@@ -78,3 +78,24 @@ def build_qwen25_tokenizer(ranks_file: str | None = None) -> PreTrainedTokenizer
         tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
         unk_token=None, bos_token=None, chat_template=QWEN25_CHAT_TEMPLATE,
         model_max_length=131072, clean_up_tokenization_spaces=False, split_special_tokens=False)
+
+
+def train_bpe_tokenizer(texts, vocab_size: int = 512) -> PreTrainedTokenizerFast:
+    """A small byte-level BPE in Qwen's style (same pre-tokenizer, chat specials), trained on
+    `texts`: for tiny CPU models, where a 151k vocabulary would dwarf the network."""
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE(fuse_unk=False))
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(QWEN25_PATTERN), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), special_tokens=[])
+    tok.train_from_iterator(texts, trainer=trainer)
+    for content, special in QWEN25_ADDED_TOKENS[:3]:  # endoftext, im_start, im_end
+        tok.add_tokens([AddedToken(content, special=special, normalized=False)])
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>", unk_token=None,
+        bos_token=None, chat_template=QWEN25_CHAT_TEMPLATE, clean_up_tokenization_spaces=False)

@@ -1,0 +1,55 @@
+"""Greedy evaluation of a policy: EM, F1, search ratio and searches per question, by source."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Sequence
+
+import jax
+import numpy as np
+
+from sem_jax.data.example import Example
+from sem_jax.sampling.rollout import RolloutConfig, Trajectory, rollout
+from sem_jax.sem.parse import parse_response
+from sem_jax.sem.scoring import score_answer
+from sem_jax.sem.template import encode_prompt
+
+
+def score_trajectory(t: Trajectory, ex: Example) -> dict:
+    p = parse_response(t.text)
+    em, f1 = score_answer(p.answer, ex)
+    return {"id": ex.id, "source": ex.source, "question": ex.question, "gold": list(ex.answers),
+            "answer": p.answer, "valid": p.valid, "em": em, "f1": f1, "searches": t.num_searches,
+            "response_tokens": int(len(t.response_ids)), "end_reason": t.end_reason, "response": t.text}
+
+
+def aggregate(records: Sequence[dict]) -> dict[str, float]:
+    """Means overall and per source: em, f1, search_ratio (share with >= 1 search), searches/question."""
+    out: dict[str, float] = {}
+    groups = defaultdict(list)
+    for r in records:
+        groups["all"].append(r)
+        groups[r["source"]].append(r)
+    for name, rs in groups.items():
+        sfx = "" if name == "all" else f"/{name}"
+        out[f"em{sfx}"] = float(np.mean([r["em"] for r in rs]))
+        out[f"f1{sfx}"] = float(np.mean([r["f1"] for r in rs]))
+        out[f"search_ratio{sfx}"] = float(np.mean([r["searches"] > 0 for r in rs]))
+        out[f"searches_per_q{sfx}"] = float(np.mean([r["searches"] for r in rs]))
+        out[f"response_tokens{sfx}"] = float(np.mean([r["response_tokens"] for r in rs]))
+        out[f"valid{sfx}"] = float(np.mean([r["valid"] for r in rs]))
+    return out
+
+
+def evaluate(sampler, tokenizer, retriever, examples: Sequence[Example], cfg: RolloutConfig,
+             batch_size: int, seed: int = 0) -> tuple[dict[str, float], list[dict]]:
+    """One greedy trajectory per question (group size 1), in batches of `batch_size` prompts."""
+    cfg = RolloutConfig(group_size=1, max_searches=cfg.max_searches, top_k=cfg.top_k,
+                        max_tokens_per_passage=cfg.max_tokens_per_passage)
+    records = []
+    for i in range(0, len(examples), batch_size):
+        chunk = list(examples[i:i + batch_size])
+        trajs, _ = rollout(sampler, tokenizer, retriever, [encode_prompt(tokenizer, e) for e in chunk],
+                           jax.random.key(seed), cfg)
+        records += [score_trajectory(t, e) for t, e in zip(trajs, chunk)]
+    return aggregate(records), records

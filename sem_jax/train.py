@@ -1,0 +1,243 @@
+"""GRPO training with the SEM reward.
+
+    python -m sem_jax.train                                  # the embedded CPU demo config
+    python -m sem_jax.train --config configs/tpu_v4.py --config.rl.beta=0.0
+
+Each step: rollout (G trajectories per question, searches answered by bm25) -> rewards
+-> group-relative advantages -> reference log-probs -> one jitted update. Metrics go to
+the console, TensorBoard and metrics.jsonl in `run_dir`; checkpoints to `run_dir/ckpt`.
+Restarting with the same run_dir resumes from the last complete checkpoint.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl import app
+from absl import logging as absl_logging
+from flax import nnx
+from ml_collections import ConfigDict, config_flags
+
+from sem_jax.checkpoint import Checkpointer
+from sem_jax.data.questions import load_questions
+from sem_jax.eval_lib import aggregate, evaluate, score_trajectory
+from sem_jax.metrics import MetricWriter
+from sem_jax.model import Qwen2, Qwen2Config, from_pretrained
+from sem_jax.model.tokenizer import load_tokenizer, train_bpe_tokenizer
+from sem_jax.rl.advantages import group_advantages
+from sem_jax.rl.batch import build_batch
+from sem_jax.rl.loss import GRPOConfig
+from sem_jax.rl.trainer import GRPOTrainer, OptimConfig
+from sem_jax.sampling import RolloutConfig, Sampler, SamplingConfig, build_stop_automaton, rollout
+from sem_jax.sem.parse import parse_response
+from sem_jax.sem.reward import CASES, RewardParams, get_reward
+from sem_jax.sem.template import SYSTEM_PROMPT, encode_prompt
+from sem_jax.sharding import batch_sharding, make_mesh, shard_params
+
+log = logging.getLogger("sem_jax.train")
+DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs",
+                              "demo_cpu.py")
+
+
+# -- building blocks ---------------------------------------------------------------------
+
+def build_policy(config: ConfigDict, texts: list[str], run_dir: str) -> tuple[Qwen2, Any]:
+    """The policy and its tokenizer: a local HF directory, or (no path) a random tiny model
+    with a small BPE trained on the run's own text (saved to run_dir/tokenizer)."""
+    m = config.model
+    dtype, compute = jnp.dtype(m.dtype), jnp.dtype(m.compute_dtype)
+    if m.path:
+        tokenizer = load_tokenizer(m.tokenizer or m.path)
+        model = from_pretrained(m.path, dtype=dtype, compute_dtype=compute, remat=m.remat)
+        return model, tokenizer
+    tok_dir = os.path.join(run_dir, "tokenizer")
+    if os.path.exists(os.path.join(tok_dir, "tokenizer.json")):  # resumed run: the same tokenizer
+        tokenizer = load_tokenizer(tok_dir)
+    else:
+        tokenizer = train_bpe_tokenizer(texts, m.init.tokenizer_vocab)
+        if jax.process_index() == 0:
+            tokenizer.save_pretrained(tok_dir)
+    i = m.init
+    cfg = Qwen2Config(vocab_size=-(-len(tokenizer) // 64) * 64, hidden_size=i.hidden_size,
+                      intermediate_size=i.intermediate_size, num_layers=i.num_layers, num_heads=i.num_heads,
+                      num_kv_heads=i.num_kv_heads, rope_theta=i.rope_theta,
+                      tie_word_embeddings=i.tie_word_embeddings,
+                      bos_token_id=None, eos_token_id=tokenizer.eos_token_id)
+    model = Qwen2(cfg, rngs=nnx.Rngs(config.seed), param_dtype=dtype, dtype=compute, remat=m.remat)
+    return model, tokenizer
+
+
+def build_retriever(config: ConfigDict):
+    from sem_jax.retrieval import Retriever
+    r = config.retrieval
+    if r.index_dir:
+        return Retriever.load(r.index_dir)
+    return Retriever.from_jsonl(r.corpus, show_progress=False)
+
+
+def batch_at(examples: list, step: int, per_step: int, seed: int) -> list:
+    """Questions for `step`: consecutive slices of per-epoch seeded permutations, so the order
+    is a function of the step alone (a resumed run continues with the same next batch)."""
+    n = len(examples)
+    out = []
+    for k in range(step * per_step, (step + 1) * per_step):
+        order = np.random.RandomState(seed + k // n).permutation(n)
+        out.append(examples[order[k % n]])
+    return out
+
+
+def step_flops(model_cfg: Qwen2Config, rollout_tokens: int, train_tokens: int, ref: bool) -> float:
+    """2 x matmul params x tokens per pass: rollout 1, reference 1, update 3 (fwd + bwd)."""
+    c = model_cfg
+    per_layer = c.hidden_size * c.head_dim * (2 * c.num_heads + 2 * c.num_kv_heads) + 3 * c.hidden_size * c.intermediate_size
+    matmul = c.num_layers * per_layer + c.vocab_size * c.hidden_size
+    return 2.0 * matmul * (rollout_tokens + train_tokens * (3 + int(ref)))
+
+
+# -- the loop ----------------------------------------------------------------------------
+
+def train(config: ConfigDict) -> dict[str, float]:
+    """Run (or resume) training as configured; returns the last step's metrics."""
+    run_dir = os.path.abspath(config.run_dir)
+    os.makedirs(run_dir, exist_ok=True)
+    if jax.process_index() == 0:
+        with open(os.path.join(run_dir, "config.json"), "w") as fh:
+            fh.write(config.to_json_best_effort(indent=2))
+    get_reward(config.reward)  # fail fast on an unknown reward name
+    mesh = make_mesh(config.mesh.data, config.mesh.fsdp, config.mesh.tensor)
+    train_set = load_questions(config.data.train_file)
+    eval_set = load_questions(config.data.eval_file)[:config.data.eval_questions]
+    retriever = build_retriever(config)
+    texts = [SYSTEM_PROMPT] + [e.question + " " + " ".join(e.answers) for e in train_set + eval_set] + \
+        [f"{d['title']} {d['text']}" for d in retriever._iter_corpus()]
+    model, tokenizer = build_policy(config, texts, run_dir)
+
+    rp = RewardParams(**config.reward_params.to_dict())
+    reward_fn = get_reward(config.reward)
+    grpo = GRPOConfig(beta=config.rl.beta, clip_eps=config.rl.clip_eps, clip_eps_high=config.rl.clip_eps_high,
+                      loss_agg=config.rl.loss_agg, dr_grpo_length=config.rollout.max_new_tokens)
+    optim = OptimConfig(total_steps=config.train.total_steps, **config.optim.to_dict())
+    g = config.rollout.group_size
+    rows = config.data.prompts_per_step * g
+    micro = min(config.rl.micro_batch, rows)
+    trainer = GRPOTrainer(model, grpo, optim, micro_batch=micro, logprob_chunk=config.rl.logprob_chunk)
+
+    with jax.set_mesh(mesh):
+        _, params = nnx.split(model)
+        params = shard_params(params, mesh)
+        # The frozen reference is the initial policy (rebuilt identically on resume).
+        ref_params = jax.tree.map(jnp.copy, params) if grpo.beta > 0 else None
+        opt_state = trainer.init_opt_state(params)
+    ckpt = Checkpointer(os.path.join(run_dir, "ckpt"), keep=config.train.keep_checkpoints)
+    start, skipped_total = 0, 0
+    if ckpt.latest_step() is not None:
+        params, opt_state, meta = ckpt.restore(ckpt.latest_step(), params, opt_state)
+        start, skipped_total = meta["step"], meta["skipped_total"]
+        print(f"resumed from step {start} ({ckpt.directory})", flush=True)
+
+    eos = tuple(sorted({i for i in (tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<|endoftext|>"))
+                        if isinstance(i, int) and i >= 0}))
+    stop = build_stop_automaton(tokenizer, vocab_size=model.config.vocab_size)
+    r = config.rollout
+    sampler = Sampler(model, stop, SamplingConfig(max_new_tokens=r.max_new_tokens, temperature=r.temperature,
+                                                  top_p=r.top_p, top_k=r.top_k, eos_ids=eos))
+    greedy = Sampler(model, stop, SamplingConfig(max_new_tokens=r.max_new_tokens, greedy=True, eos_ids=eos))
+    rcfg = RolloutConfig(group_size=g, max_searches=r.max_searches, top_k=config.retrieval.top_k,
+                         max_tokens_per_passage=config.retrieval.max_tokens_per_passage)
+    writer = MetricWriter(run_dir)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    total = config.train.total_steps
+    metrics: dict[str, float] = {}
+
+    def run_eval(step):
+        greedy.set_params(params)
+        with jax.set_mesh(mesh):
+            scores, _ = evaluate(greedy, tokenizer, retriever, eval_set, rcfg, config.data.prompts_per_step * g)
+        writer.write(step, scores, prefix="eval", total=total)
+        return scores
+
+    for step in range(start, total):
+        t_step = time.perf_counter()
+        examples = batch_at(train_set, step, config.data.prompts_per_step, config.seed)
+        prompts = [encode_prompt(tokenizer, e) for e in examples]
+        sampler.set_params(params)
+        with jax.set_mesh(mesh):
+            t0 = time.perf_counter()
+            trajs, rstats = rollout(sampler, tokenizer, retriever, prompts,
+                                    jax.random.fold_in(jax.random.key(config.seed), step), rcfg)
+            t_rollout = time.perf_counter() - t0
+            rewards, cases, records = [], [], []
+            for t in trajs:
+                ex = examples[t.prompt_index]
+                rew, case = reward_fn(parse_response(t.text), ex, rp)
+                rewards.append(rew)
+                cases.append(case)
+                records.append(score_trajectory(t, ex))
+            adv = group_advantages(np.array(rewards), g, eps=config.rl.adv_eps,
+                                   scale_by_std=config.rl.scale_adv_by_std)
+            host = build_batch(trajs, adv, micro_batch=micro, pad_id=pad_id)
+            batch = {k: jax.device_put(v, batch_sharding(mesh, v.shape)) for k, v in host.items()}
+            t0 = time.perf_counter()
+            ref_lp = trainer.reference_logprobs(ref_params, batch)
+            if ref_lp is not None:
+                ref_lp.block_until_ready()
+            t_ref = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            params, opt_state, m = trainer.update(params, opt_state, batch, ref_lp)
+            m = jax.device_get(m)
+            t_update = time.perf_counter() - t0
+        skipped_total += int(m["skipped"])
+        dt = time.perf_counter() - t_step
+        sampled = int(sum(t.loss_mask.sum() for t in trajs))
+        train_tokens = int((host["inputs"] != pad_id).sum())
+        metrics = {"reward/mean": float(np.mean(rewards)), "reward/std": float(np.std(rewards)),
+                   **{f"reward/case_{c}": cases.count(c) / len(cases) for c in CASES if c in cases},
+                   "loss": float(m["loss"]), "kl": float(m["kl"]), "entropy": float(m["entropy"]),
+                   "clip_frac": float(m["clip_frac"]), "grad_norm": float(m["grad_norm"]),
+                   "skipped_steps": skipped_total, "sampler_gap": float(m["sampler_gap"]),
+                   "adv/abs_mean": float(np.abs(adv).mean()),
+                   "tokens_per_s": sampled / max(t_rollout, 1e-9), "time/step": dt, "time/rollout": t_rollout,
+                   "time/retrieval": rstats.retrieval_s, "time/reference": t_ref, "time/update": t_update}
+        metrics.update(aggregate(records))
+        if config.peak_flops:
+            flops = step_flops(model.config, sampled, train_tokens, ref_lp is not None)
+            metrics["mfu"] = flops / dt / (config.peak_flops * jax.device_count())
+        if (step + 1) % config.train.log_every == 0 or step + 1 == total:
+            writer.write(step + 1, metrics, total=total)
+        if (step + 1) % config.train.ckpt_every == 0 or step + 1 == total:
+            ckpt.save(step + 1, params, opt_state, {"step": step + 1, "data_position":
+                                                     (step + 1) * config.data.prompts_per_step,
+                                                     "skipped_total": skipped_total, "seed": config.seed})
+        if config.train.debug_kill_at_step == step + 1:
+            ckpt.wait()
+            os.kill(os.getpid(), signal.SIGKILL)
+        if config.train.eval_every and (step + 1) % config.train.eval_every == 0 and step + 1 != total:
+            run_eval(step + 1)
+    ckpt.close()
+    if start < total:
+        metrics.update({f"eval/{k}": v for k, v in run_eval(total).items()})
+    writer.close()
+    return metrics
+
+
+_CONFIG = config_flags.DEFINE_config_file("config", DEFAULT_CONFIG, "Training config file (ml_collections).",
+                                          lock_config=True)
+
+
+def main(argv: list[str]) -> None:
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    # Orbax logs every file operation at INFO through absl; keep the console readable.
+    absl_logging.set_verbosity(absl_logging.WARNING)
+    train(_CONFIG.value)
+
+
+if __name__ == "__main__":
+    app.run(main)
