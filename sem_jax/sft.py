@@ -16,7 +16,7 @@ from flax import nnx
 
 from sem_jax.model.qwen2 import Qwen2
 from sem_jax.rl.loss import token_logprobs
-from sem_jax.sampling.sampler import next_pow2
+from sem_jax.sampling.sampler import bucket_length
 
 # A training pair: prompt ids, and response segments (ids, trained?).
 Pair = tuple[list[int], list[tuple[list[int], bool]]]
@@ -32,7 +32,7 @@ def pack(pairs: Sequence[Pair], pad_id: int = 0) -> dict[str, np.ndarray]:
             mask += [int(trained)] * len(seg)
         seqs.append(ids)
         masks.append(mask)
-    width = next_pow2(max(len(s) for s in seqs) - 1, minimum=16)
+    width = bucket_length(max(len(s) for s in seqs) - 1, minimum=16)
     out = {"inputs": np.full((len(seqs), width), pad_id, np.int32),
            "targets": np.full((len(seqs), width), pad_id, np.int32),
            "mask": np.zeros((len(seqs), width), np.float32)}

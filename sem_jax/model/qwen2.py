@@ -185,10 +185,10 @@ class Qwen2(nnx.Module):
 
     def logits(self, hidden: jax.Array) -> jax.Array:
         """LM head on final (normed) hidden states [..., E] -> float32 logits [..., V]."""
-        w = self.embed[...].T if self.config.tie_word_embeddings else self.lm_head[...]
-        out = jnp.einsum("...e,ev->...v", hidden, w.astype(self.dtype),
-                         preferred_element_type=jnp.float32)
-        return out
+        w = self.lm_head_weight()
+        flat = hidden.reshape(-1, hidden.shape[-1])
+        out = jnp.dot(flat, w, preferred_element_type=jnp.float32)
+        return out.reshape(*hidden.shape[:-1], w.shape[-1])
 
     def lm_head_weight(self) -> jax.Array:
         """[E, V] output projection in the compute dtype (for chunked log-prob code)."""
@@ -243,24 +243,29 @@ class Qwen2(nnx.Module):
         cos, sin = rope_tables(positions, c.head_dim, c.rope_theta)
         layer_params = {name: p[...] for name, p in self.layers.items()}
 
+        def dense(x2, w):
+            # Projections as 2-D matmuls over (batch*length): XLA's dot (and its
+            # transpose in the backward pass) is far faster than with two batch-like dims.
+            return jnp.dot(x2, w.reshape(w.shape[0], -1))
+
         def layer(x, xs):
             p, kc, vc = xs
             p = jax.tree.map(lambda a: a.astype(self.dtype), p)
-            h = rms_norm(x, p["input_norm"], c.rms_norm_eps)
-            q = jnp.einsum("bte,ehd->bthd", h, p["q_kernel"]) + p["q_bias"]
-            k = jnp.einsum("bte,ehd->bthd", h, p["k_kernel"]) + p["k_bias"]
-            v = jnp.einsum("bte,ehd->bthd", h, p["v_kernel"]) + p["v_bias"]
+            e = x.shape[-1]
+            h = rms_norm(x, p["input_norm"], c.rms_norm_eps).reshape(b * t, e)
+            q = dense(h, p["q_kernel"]).reshape(b, t, c.num_heads, c.head_dim) + p["q_bias"]
+            k = dense(h, p["k_kernel"]).reshape(b, t, c.num_kv_heads, c.head_dim) + p["k_bias"]
+            v = dense(h, p["v_kernel"]).reshape(b, t, c.num_kv_heads, c.head_dim) + p["v_bias"]
             q = constrain(apply_rope(q, cos, sin), ("batch", "length", "act_heads", "head_dim"))
             k = constrain(apply_rope(k, cos, sin), ("batch", "length", "act_kv_heads", "head_dim"))
             v = constrain(v, ("batch", "length", "act_kv_heads", "head_dim"))
             read = None if kc is None else (kc.astype(self.dtype), vc.astype(self.dtype), cache_mask)
-            out = attention(q, k, v, mask, read)
-            x = x + jnp.einsum("bthd,hde->bte", out, p["o_kernel"])
-            h = rms_norm(x, p["post_norm"], c.rms_norm_eps)
-            gate = jnp.einsum("bte,em->btm", h, p["gate_kernel"])
-            up = jnp.einsum("bte,em->btm", h, p["up_kernel"])
-            act = constrain(jax.nn.silu(gate) * up, ("batch", "length", "act_mlp"))
-            x = x + jnp.einsum("btm,me->bte", act, p["down_kernel"])
+            out = attention(q, k, v, mask, read).reshape(b * t, c.num_heads * c.head_dim)
+            x = x + jnp.dot(out, p["o_kernel"].reshape(-1, e)).reshape(b, t, e)
+            h = rms_norm(x, p["post_norm"], c.rms_norm_eps).reshape(b * t, e)
+            act = jax.nn.silu(dense(h, p["gate_kernel"])) * dense(h, p["up_kernel"])
+            act = constrain(act.reshape(b, t, -1), ("batch", "length", "act_mlp"))
+            x = x + jnp.dot(act.reshape(b * t, -1), p["down_kernel"]).reshape(b, t, e)
             x = constrain(x, ("batch", "length", "act_embed"))
             return x, (None, None) if kc is None else (k, v)
 

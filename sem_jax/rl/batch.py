@@ -7,7 +7,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from sem_jax.sampling.rollout import Trajectory
-from sem_jax.sampling.sampler import next_pow2
+from sem_jax.sampling.sampler import bucket_length
 
 
 def build_batch(trajs: Sequence[Trajectory], advantages: np.ndarray, *, micro_batch: int,
@@ -16,11 +16,11 @@ def build_batch(trajs: Sequence[Trajectory], advantages: np.ndarray, *, micro_ba
 
     `mask` is 1 exactly on targets the policy sampled (0 on prompt, inserted results and
     padding); rows are padded with all-zero-mask rows up to a multiple of `micro_batch`,
-    and T to a power of two (bounded recompiles).
+    and T to a `bucket_length` (bounded recompiles).
     """
     seqs = [list(t.prompt_ids) + t.response_ids.tolist() for t in trajs]
     n = -(-len(seqs) // micro_batch) * micro_batch
-    width = next_pow2(max(len(s) for s in seqs) - 1, minimum=min_length)
+    width = bucket_length(max(len(s) for s in seqs) - 1, minimum=min_length)
     out = {
         "inputs": np.full((n, width), pad_id, np.int32),
         "targets": np.full((n, width), pad_id, np.int32),

@@ -36,15 +36,15 @@ def token_logprobs(model: Qwen2, inputs: jax.Array, targets: jax.Array,
     w = model.lm_head_weight()
     b, t, e = hidden.shape
     chunk = min(chunk, t)
-    if t % chunk:
-        raise ValueError(f"sequence length {t} is not a multiple of the log-prob chunk {chunk}")
+    while t % chunk:  # bucketed lengths (2^k, 3 * 2^(k-1)) have large power-of-two divisors
+        chunk //= 2
     h = hidden.reshape(b, t // chunk, chunk, e).swapaxes(0, 1)
     tg = targets.reshape(b, t // chunk, chunk).swapaxes(0, 1)
 
     @jax.checkpoint
     def one(args):
         hc, tc = args
-        logits = jnp.einsum("bce,ev->bcv", hc, w, preferred_element_type=jnp.float32)
+        logits = jnp.dot(hc.reshape(-1, e), w, preferred_element_type=jnp.float32).reshape(b, chunk, -1)
         lse = jax.nn.logsumexp(logits, axis=-1)
         lp = jnp.take_along_axis(logits, tc[..., None], -1)[..., 0] - lse
         probs = jnp.exp(logits - lse[..., None])

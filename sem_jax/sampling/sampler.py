@@ -21,8 +21,12 @@ from sem_jax.model.qwen2 import KVCache, Qwen2
 from sem_jax.sampling.stop import StopAutomaton
 
 
-def next_pow2(n: int, minimum: int = 16) -> int:
-    return max(minimum, 1 << max(0, int(n) - 1).bit_length())
+def bucket_length(n: int, minimum: int = 16) -> int:
+    """Smallest of 2^k and 3 * 2^(k-1) that holds n (and >= minimum): a logarithmic number of
+    shapes (bounded recompiles) with at most a third of padding, not half as powers of two."""
+    n = max(int(n), int(minimum), 1)
+    p = 1 << (n - 1).bit_length()  # next power of two
+    return p * 3 // 4 if p >= 4 and p * 3 // 4 >= n else p
 
 
 @dataclasses.dataclass(frozen=True)
@@ -195,8 +199,8 @@ def _insert(graphdef, params, state: SamplerState, ids, n, end_rows) -> SamplerS
 class Sampler:
     """Batched sampler over a `Qwen2`: `start` (prefill), `decode`, `insert`, `fetch`.
 
-    Recompiles are bounded: prompt length and insert width are bucketed to powers
-    of two; the batch size and response budget are fixed by the caller.
+    Recompiles are bounded: prompt length and insert width are bucketed
+    (`bucket_length`); the batch size and response budget are fixed by the caller.
     """
 
     def __init__(self, model: Qwen2, stop: StopAutomaton, cfg: SamplingConfig,
@@ -226,7 +230,7 @@ class Sampler:
         """Prefill each prompt once and copy it to `group_size` rows (row = prompt * G + g)."""
         if not prompts or any(len(p) == 0 for p in prompts):
             raise ValueError("every prompt needs at least one token")
-        width = next_pow2(max(len(p) for p in prompts))
+        width = bucket_length(max(len(p) for p in prompts))
         arr = np.zeros((len(prompts), width), np.int32)
         for i, p in enumerate(prompts):
             arr[i, :len(p)] = p
@@ -245,7 +249,7 @@ class Sampler:
         """Append `blocks[b]` (may be empty) to each row and resume; `end_rows` rows end instead.
         Donates `state`."""
         b = len(blocks)
-        width = next_pow2(max([len(x) for x in blocks] + [1]), minimum=8)
+        width = bucket_length(max([len(x) for x in blocks] + [1]), minimum=8)
         ids = np.zeros((b, width), np.int32)
         n = np.zeros(b, np.int32)
         for i, blk in enumerate(blocks):
