@@ -15,7 +15,6 @@ import logging
 import os
 import signal
 import time
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -26,11 +25,11 @@ from flax import nnx
 from ml_collections import ConfigDict, config_flags
 
 from sem_jax.checkpoint import Checkpointer
+from sem_jax.builders import build_policy, build_retriever
 from sem_jax.data.questions import load_questions
 from sem_jax.eval_lib import aggregate, evaluate, score_trajectory
 from sem_jax.metrics import MetricWriter
-from sem_jax.model import Qwen2, Qwen2Config, from_pretrained
-from sem_jax.model.tokenizer import load_tokenizer, train_bpe_tokenizer
+from sem_jax.model import Qwen2Config
 from sem_jax.rl.advantages import group_advantages
 from sem_jax.rl.batch import build_batch
 from sem_jax.rl.loss import GRPOConfig
@@ -47,40 +46,6 @@ DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__
 
 
 # -- building blocks ---------------------------------------------------------------------
-
-def build_policy(config: ConfigDict, texts: list[str], run_dir: str) -> tuple[Qwen2, Any]:
-    """The policy and its tokenizer: a local HF directory, or (no path) a random tiny model
-    with a small BPE trained on the run's own text (saved to run_dir/tokenizer)."""
-    m = config.model
-    dtype, compute = jnp.dtype(m.dtype), jnp.dtype(m.compute_dtype)
-    if m.path:
-        tokenizer = load_tokenizer(m.tokenizer or m.path)
-        model = from_pretrained(m.path, dtype=dtype, compute_dtype=compute, remat=m.remat)
-        return model, tokenizer
-    tok_dir = os.path.join(run_dir, "tokenizer")
-    if os.path.exists(os.path.join(tok_dir, "tokenizer.json")):  # resumed run: the same tokenizer
-        tokenizer = load_tokenizer(tok_dir)
-    else:
-        tokenizer = train_bpe_tokenizer(texts, m.init.tokenizer_vocab)
-        if jax.process_index() == 0:
-            tokenizer.save_pretrained(tok_dir)
-    i = m.init
-    cfg = Qwen2Config(vocab_size=-(-len(tokenizer) // 64) * 64, hidden_size=i.hidden_size,
-                      intermediate_size=i.intermediate_size, num_layers=i.num_layers, num_heads=i.num_heads,
-                      num_kv_heads=i.num_kv_heads, rope_theta=i.rope_theta,
-                      tie_word_embeddings=i.tie_word_embeddings,
-                      bos_token_id=None, eos_token_id=tokenizer.eos_token_id)
-    model = Qwen2(cfg, rngs=nnx.Rngs(config.seed), param_dtype=dtype, dtype=compute, remat=m.remat)
-    return model, tokenizer
-
-
-def build_retriever(config: ConfigDict):
-    from sem_jax.retrieval import Retriever
-    r = config.retrieval
-    if r.index_dir:
-        return Retriever.load(r.index_dir)
-    return Retriever.from_jsonl(r.corpus, show_progress=False)
-
 
 def batch_at(examples: list, step: int, per_step: int, seed: int) -> list:
     """Questions for `step`: consecutive slices of per-epoch seeded permutations, so the order

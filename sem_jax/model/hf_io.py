@@ -200,7 +200,8 @@ def save_pretrained(model: Qwen2, path: str, *, max_shard_size: int | str = "5GB
     Writes config.json, generation_config.json and safetensors in `dtype` (default:
     the parameter dtype), split into `model-0000k-of-0000N.safetensors` with an index
     when larger than `max_shard_size`. Tensors are gathered to the host one at a
-    time. Returns the safetensors file names written.
+    time (on a multi-host run every process gathers, process 0 writes). Returns the
+    safetensors file names.
     """
     cfg = model.config
     out_dtype = np.dtype(jnp.dtype(dtype or model.param_dtype))
@@ -230,6 +231,10 @@ def save_pretrained(model: Qwen2, path: str, *, max_shard_size: int | str = "5GB
     n = len(plan)
     names = ["model.safetensors"] if n == 1 else \
         [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+    if jax.process_index() != 0:  # multi-host: take part in every gather, write nothing
+        for hf_name in lookup:
+            fetch(hf_name)
+        return names
     weight_map, total = {}, 0
     for fname, group in zip(names, plan):
         total += write_safetensors(

@@ -29,3 +29,15 @@ def chat_prompt(ex: Example, system_prompt: str = SYSTEM_PROMPT) -> str:
 
 def encode_prompt(tokenizer, ex: Example, system_prompt: str = SYSTEM_PROMPT) -> list[int]:
     return tokenizer.encode(chat_prompt(ex, system_prompt), add_special_tokens=False)
+
+
+DIRECT_SYSTEM_PROMPT = (
+    "Answer the question. Think briefly inside <think> </think>, then give your answer inside "
+    "<answer> </answer>. No search is available."
+)
+
+
+def rag_prompt(ex: Example, results: str) -> str:
+    """Naive RAG: the question's retrieved passages are given up front; no search offered."""
+    return (f"<|im_start|>system\n{DIRECT_SYSTEM_PROMPT}<|im_end|>\n"
+            f"<|im_start|>user\n{question_text(ex)}\n{results.strip()}<|im_end|>\n<|im_start|>assistant\n")

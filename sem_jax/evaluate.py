@@ -1,0 +1,169 @@
+"""Evaluation tables in the layout of the paper's Tables 1 and 2.
+
+    python -m sem_jax.evaluate --config configs/gpu.py --checkpoint runs/gpu/ckpt \
+        --data hotpotqa=/data/hotpot_dev.json,musique=/data/musique_dev.jsonl,mmlu=/data/mmlu,gsm8k=/data/gsm8k_test.jsonl \
+        --limit 500 --modes policy,direct,naive_rag --out runs/gpu/eval
+
+Modes: `policy` (the SEM prompt, searches answered), `direct` (no search offered),
+`naive_rag` (retrieve once with the question, passages in the prompt, then answer).
+Greedy decoding, one trajectory per question. Writes results.md, results.json and
+per-question predictions_<mode>_<dataset>.jsonl.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Sequence
+
+import jax
+from absl import app, flags
+from absl import logging as absl_logging
+from flax import nnx
+from ml_collections import config_flags
+
+from sem_jax.data.example import Example
+from sem_jax.eval_lib import aggregate, score_trajectory
+from sem_jax.retrieval.format import format_results
+from sem_jax.sampling import RolloutConfig, Sampler, SamplingConfig, build_stop_automaton, rollout
+from sem_jax.sem.template import DIRECT_SYSTEM_PROMPT, encode_prompt, rag_prompt
+
+MODES = ("policy", "direct", "naive_rag")
+
+
+def run_mode(mode: str, sampler: Sampler, tokenizer, retriever, examples: Sequence[Example],
+             cfg: RolloutConfig, batch_size: int) -> list[dict]:
+    """Per-question records for one mode (greedy, group size 1)."""
+    if mode not in MODES:
+        raise ValueError(f"mode {mode!r}; choose from {MODES}")
+    searches = cfg.max_searches if mode == "policy" else 0
+    rcfg = RolloutConfig(group_size=1, max_searches=searches, top_k=cfg.top_k,
+                         max_tokens_per_passage=cfg.max_tokens_per_passage)
+    records = []
+    for i in range(0, len(examples), batch_size):
+        chunk = list(examples[i:i + batch_size])
+        if mode == "naive_rag":
+            hits = retriever.search([e.question for e in chunk], cfg.top_k)  # once per question
+            prompts = [tokenizer.encode(rag_prompt(e, format_results(h, tokenizer, cfg.max_tokens_per_passage)),
+                                        add_special_tokens=False) for e, h in zip(chunk, hits)]
+        elif mode == "direct":
+            prompts = [encode_prompt(tokenizer, e, DIRECT_SYSTEM_PROMPT) for e in chunk]
+        else:
+            prompts = [encode_prompt(tokenizer, e) for e in chunk]
+        trajs, _ = rollout(sampler, tokenizer, retriever, prompts, jax.random.key(0), rcfg)
+        for t, e in zip(trajs, chunk):
+            rec = score_trajectory(t, e)
+            if mode == "naive_rag":
+                rec["searches"] = 1  # it always retrieves (before answering)
+            records.append(rec)
+    return records
+
+
+def results_table(results: dict[str, dict[str, dict[str, float]]], datasets: Sequence[str]) -> str:
+    """Markdown: one row per mode, EM / F1 / SR (%) per data set, as the paper's tables."""
+    head = "| method | " + " | ".join(f"{d} EM | {d} F1 | {d} SR" for d in datasets) + " |"
+    sep = "|---" * (1 + 3 * len(datasets)) + "|"
+    rows = [head, sep]
+    for mode, per in results.items():
+        cells = []
+        for d in datasets:
+            m = per.get(d)
+            cells += ["-"] * 3 if m is None else [f"{100 * m['em']:.2f}", f"{100 * m['f1']:.2f}",
+                                                   f"{100 * m['search_ratio']:.2f}"]
+        rows.append(f"| {mode} | " + " | ".join(cells) + " |")
+    return "\n".join(rows) + "\n"
+
+
+def evaluate_modes(sampler, tokenizer, retriever, data: dict[str, list[Example]], modes: Sequence[str],
+                   cfg: RolloutConfig, batch_size: int, out_dir: str | None = None) -> dict:
+    results: dict[str, dict[str, dict[str, float]]] = {}
+    for mode in modes:
+        results[mode] = {}
+        for name, examples in data.items():
+            records = run_mode(mode, sampler, tokenizer, retriever, examples, cfg, batch_size)
+            results[mode][name] = aggregate(records)
+            if out_dir:
+                with open(os.path.join(out_dir, f"predictions_{mode}_{name}.jsonl"), "w") as fh:
+                    for r in records:
+                        fh.write(json.dumps(r) + "\n")
+            print(f"[eval] {mode:9s} {name:9s} EM {100 * results[mode][name]['em']:6.2f}  SR "
+                  f"{100 * results[mode][name]['search_ratio']:6.2f}  ({len(records)} questions)", flush=True)
+    if out_dir:
+        with open(os.path.join(out_dir, "results.json"), "w") as fh:
+            json.dump(results, fh, indent=2)
+        with open(os.path.join(out_dir, "results.md"), "w") as fh:
+            fh.write(results_table(results, list(data)))
+    return results
+
+
+# -- command line -------------------------------------------------------------------------
+
+_CONFIG = config_flags.DEFINE_config_file("config", None, "Training config (model, retrieval, rollout).")
+flags.DEFINE_string("checkpoint", None, "run_dir/ckpt of a sem_jax run (parameters restored alone)")
+flags.DEFINE_integer("step", None, "checkpoint step (default: latest)")
+flags.DEFINE_string("hf", None, "a Hugging Face model directory instead of a checkpoint")
+flags.DEFINE_string("data", None, "name=path[,name=path...] with name in musique, mmlu, hotpotqa, gsm8k; "
+                    "default: the config's eval file")
+flags.DEFINE_integer("limit", None, "questions per data set")
+flags.DEFINE_string("modes", "policy,direct,naive_rag", "comma-separated modes")
+flags.DEFINE_string("out", None, "output directory (default: <run_dir>/eval)")
+FLAGS = flags.FLAGS
+
+
+def load_policy(config, checkpoint: str | None, step: int | None, hf: str | None):
+    """(model, tokenizer) from a HF directory or from a sem_jax checkpoint (params only)."""
+    from sem_jax.checkpoint import Checkpointer
+    from sem_jax.model import from_pretrained
+    from sem_jax.model.tokenizer import load_tokenizer
+    from sem_jax.builders import build_policy
+
+    if hf:
+        return from_pretrained(hf), load_tokenizer(hf)
+    if not checkpoint:
+        raise app.UsageError("give --checkpoint RUN/ckpt or --hf DIR")
+    run_dir = os.path.dirname(os.path.abspath(checkpoint.rstrip("/")))
+    model, tokenizer = build_policy(config, [], run_dir)
+    _, params = nnx.split(model)
+    params, got = Checkpointer(checkpoint).restore_params(step, params)
+    nnx.update(model, params)
+    print(f"restored parameters of step {got} from {checkpoint}", flush=True)
+    return model, tokenizer
+
+
+def main(argv):
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    absl_logging.set_verbosity(absl_logging.WARNING)
+    from sem_jax.data.questions import load_questions
+    from sem_jax.data.sources import load_source
+    from sem_jax.builders import build_retriever
+
+    config = _CONFIG.value
+    if config is None:
+        raise app.UsageError("--config is required (the model, retrieval and rollout settings)")
+    model, tokenizer = load_policy(config, FLAGS.checkpoint, FLAGS.step, FLAGS.hf)
+    if FLAGS.data:
+        data = {}
+        for item in FLAGS.data.split(","):
+            name, _, path = item.partition("=")
+            data[name] = load_source(name, path, split="validation" if name != "mmlu" else "test",
+                                     limit=FLAGS.limit)
+    else:
+        data = {"eval": load_questions(config.data.eval_file)[:FLAGS.limit]}
+    eos = tuple(i for i in (tokenizer.eos_token_id,) if i is not None)
+    stop = build_stop_automaton(tokenizer, vocab_size=model.config.vocab_size)
+    sampler = Sampler(model, stop, SamplingConfig(max_new_tokens=config.rollout.max_new_tokens, greedy=True,
+                                                  eos_ids=eos))
+    cfg = RolloutConfig(group_size=1, max_searches=config.rollout.max_searches, top_k=config.retrieval.top_k,
+                        max_tokens_per_passage=config.retrieval.max_tokens_per_passage)
+    out = FLAGS.out or os.path.join(config.run_dir, "eval")
+    os.makedirs(out, exist_ok=True)
+    modes = [m.strip() for m in FLAGS.modes.split(",") if m.strip()]
+    results = evaluate_modes(sampler, tokenizer, build_retriever(config), data, modes, cfg,
+                             batch_size=config.data.prompts_per_step * config.rollout.group_size, out_dir=out)
+    print(results_table(results, list(data)))
+    print(f"wrote {out}/results.md, results.json and per-question predictions")
+
+
+if __name__ == "__main__":
+    app.run(main)
