@@ -5,7 +5,7 @@ FSDP over every chip. Paths are placeholders: point them at your bucket or local
     python -m sem_jax.train --config configs/tpu_v4.py:14b
 """
 
-from sem_jax.config import base_config
+from sem_jax.config import base_config, paper_recipe
 
 MODELS = {"7b": "gs://YOUR_BUCKET/models/Qwen2.5-7B-Instruct",
           "14b": "gs://YOUR_BUCKET/models/Qwen2.5-14B-Instruct"}
@@ -14,25 +14,16 @@ MODELS = {"7b": "gs://YOUR_BUCKET/models/Qwen2.5-7B-Instruct",
 def get_config(size: str = "7b"):
     if size not in MODELS:
         raise ValueError(f"configs/tpu_v4.py:{size}: choose one of {sorted(MODELS)}")
-    c = base_config()
+    c = paper_recipe(base_config())
     c.run_dir = f"gs://YOUR_BUCKET/runs/sem-{size}"  # shared by every host (checkpoints)
     c.model.path = MODELS[size]
-    c.model.dtype = "float32"            # master weights, FSDP-sharded
-    c.model.compute_dtype = "bfloat16"
     c.model.remat = "full"
     c.mesh.update(data=1, fsdp=-1, tensor=1)  # 7B has 4 KV heads: tensor parallelism <= 4
     c.data.train_file = "gs://YOUR_BUCKET/data/sem_train.jsonl"
     c.data.eval_file = "gs://YOUR_BUCKET/data/sem_eval.jsonl"
     c.data.prompts_per_step = 64
     c.retrieval.index_dir = "/mnt/disks/index"  # every host holds a copy (retrieval runs per host)
-    c.retrieval.top_k = 5
-    c.retrieval.max_tokens_per_passage = 128
-    c.rollout.group_size = 5
-    c.rollout.max_new_tokens = 1024
-    c.rl.beta = 0.001
     c.rl.micro_batch = 16
-    c.rl.logprob_chunk = 256
-    c.optim.lr = 1e-6
     c.train.total_steps = 300
     c.train.eval_every = 25
     c.train.ckpt_every = 25

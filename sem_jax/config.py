@@ -90,3 +90,19 @@ def demo_config() -> ConfigDict:
     c.train.total_steps = 6
     c.train.ckpt_every = 3
     return c
+
+
+def paper_recipe(c: ConfigDict) -> ConfigDict:
+    """Settings shared by the accelerator configs, after ReSearch/SEM: G = 5, top-5 passages,
+    lr 1e-6, KL 0.001 (k3), clip 0.2, and a 1024-token response budget."""
+    c.retrieval.top_k = 5
+    c.retrieval.max_tokens_per_passage = 128
+    c.rollout.group_size = 5
+    c.rollout.max_new_tokens = 1024
+    c.rl.beta = 0.001
+    c.rl.clip_eps = 0.2
+    c.rl.logprob_chunk = 256
+    c.optim.lr = 1e-6
+    c.model.dtype = "float32"            # master weights
+    c.model.compute_dtype = "bfloat16"
+    return c

@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import json
-import logging
 import os
 
 from sem_jax.data.example import Example
+from sem_jax.rows import jsonl_lines, parse_rows
 
-log = logging.getLogger(__name__)
 DEMO_DIR = os.path.join(os.path.dirname(__file__), "demo")
 
 
@@ -27,18 +26,5 @@ def example_from_row(row: dict, where: str) -> Example:
 def load_questions(path: str) -> list[Example]:
     """Rows {id, question, answers, source, needs_search, kind, options?}; broken rows are
     counted, reported with the first example, and skipped; no usable row is an error."""
-    out, bad, first = [], 0, None
-    with open(path, encoding="utf-8") as fh:
-        for n, line in enumerate(fh, start=1):
-            if not line.strip():
-                continue
-            try:
-                out.append(example_from_row(json.loads(line), f"{path}:{n}"))
-            except (ValueError, TypeError, json.JSONDecodeError) as e:
-                bad += 1
-                first = first or str(e)
-    if bad:
-        log.warning("%s: skipped %d broken row(s); first: %s", path, bad, first)
-    if not out:
-        raise ValueError(f"{path}: no usable question" + (f" ({bad} broken; first: {first})" if bad else ""))
-    return out
+    return parse_rows(jsonl_lines(path), lambda line, where: example_from_row(json.loads(line), where),
+                      source=path, what="question")

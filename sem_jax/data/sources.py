@@ -8,7 +8,6 @@ file with no usable row is an error.
 
 from __future__ import annotations
 
-import logging
 import os
 import re
 import string
@@ -16,8 +15,8 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from sem_jax.data.example import Example
+from sem_jax.rows import parse_rows
 
-log = logging.getLogger(__name__)
 MMLU_CSV_COLUMNS = ["question", "A", "B", "C", "D", "answer"]
 
 
@@ -102,24 +101,5 @@ def load_source(name: str, spec: str, split: str = "train", limit: int | None = 
     if name not in ADAPTERS:
         raise ValueError(f"unknown data set {name!r}; choose one of {sorted(ADAPTERS)}")
     adapter = ADAPTERS[name]
-    out, bad, skipped, first_bad = [], 0, 0, None
-    for i, row in enumerate(read_rows(spec, split, **hub_kwargs)):
-        try:
-            ex = adapter(row, i)
-        except (ValueError, TypeError) as e:
-            bad += 1
-            first_bad = first_bad or f"row {i}: {e}"
-            continue
-        if ex is None:
-            skipped += 1
-            continue
-        out.append(ex)
-        if limit and len(out) >= limit:
-            break
-    if bad:
-        log.warning("%s (%s): skipped %d broken row(s); first: %s", spec, name, bad, first_bad)
-    if skipped:
-        log.info("%s (%s): left out %d unanswerable row(s)", spec, name, skipped)
-    if not out:
-        raise ValueError(f"{spec} ({name}): no usable row" + (f"; {bad} broken, first: {first_bad}" if bad else ""))
-    return out
+    rows = ((f"row {i}", (i, row)) for i, row in enumerate(read_rows(spec, split, **hub_kwargs)))
+    return parse_rows(rows, lambda item, where: adapter(item[1], item[0]), source=f"{spec} ({name})", limit=limit)

@@ -8,14 +8,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import logging
 import os
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from tqdm import tqdm
+from sem_jax.rows import jsonl_lines, parse_rows
 
-log = logging.getLogger(__name__)
 
 FORMAT = "sem_jax.bm25/1"
 NO_QUERY = "No query: write the query between <search> and </search>."
@@ -53,22 +51,8 @@ def parse_corpus_row(row: Any, where: str) -> dict[str, str]:
 
 def read_corpus(path: str, show_progress: bool = True) -> list[dict[str, str]]:
     """Read a jsonl corpus; broken rows are reported (count and first example) and skipped."""
-    docs, bad, first_bad = [], 0, None
-    with open(path, encoding="utf-8") as fh:
-        for n, line in enumerate(tqdm(fh, desc=f"reading {os.path.basename(path)}", unit=" rows",
-                                      disable=not show_progress), start=1):
-            if not line.strip():
-                continue
-            try:
-                docs.append(parse_corpus_row(json.loads(line), f"{path}:{n}"))
-            except (ValueError, json.JSONDecodeError) as e:
-                bad += 1
-                first_bad = first_bad or str(e)
-    if bad:
-        log.warning("%s: skipped %d broken row(s); first: %s", path, bad, first_bad)
-    if not docs:
-        raise ValueError(f"{path}: no usable passage" + (f" ({bad} broken rows; first: {first_bad})" if bad else ""))
-    return docs
+    return parse_rows(jsonl_lines(path, show_progress), lambda line, where: parse_corpus_row(json.loads(line), where),
+                      source=path, what="passage")
 
 
 class Retriever:

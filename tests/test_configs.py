@@ -1,0 +1,34 @@
+"""The shipped configs load, select what they say, and keep their fields overridable."""
+
+import importlib.util
+import os
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _load(name, *args):
+    spec = importlib.util.spec_from_file_location(name, os.path.join(REPO, "configs", f"{name}.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod.get_config(*args)
+
+
+def test_configs():
+    demo = _load("demo_cpu")
+    assert demo.model.path is None and demo.reward == "sem"
+    gpu = _load("gpu")
+    assert "Qwen2.5-1.5B-Instruct" in gpu.model.path and gpu.model.compute_dtype == "bfloat16"
+    assert gpu.rollout.group_size == 5 and gpu.retrieval.top_k == 5 and gpu.optim.lr == 1e-6
+    assert "7B" in _load("tpu_v4").model.path and "14B" in _load("tpu_v4", "14b").model.path
+    with pytest.raises(ValueError, match="choose one of"):
+        _load("tpu_v4", "70b")
+    # Placeholders accept a value of their type.
+    demo.rl.clip_eps_high = 0.28
+    demo.train.debug_kill_at_step = 2
+
+
+def test_default_config_is_the_demo():
+    from sem_jax.train import DEFAULT_CONFIG
+    assert DEFAULT_CONFIG == os.path.join(REPO, "configs", "demo_cpu.py")
