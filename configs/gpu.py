@@ -12,6 +12,7 @@ def get_config():
     c = paper_recipe(base_config())
     c.run_dir = "runs/gpu"
     c.model.path = "/models/Qwen2.5-1.5B-Instruct"  # local HF directory (no hub downloads)
+    c.model.preset = "qwen2.5-1.5b"
     c.model.remat = "dots"
     c.mesh.update(data=1, fsdp=-1, tensor=1)
     c.data.train_file = "/data/sem_train.jsonl"  # written by scripts/prepare_data.py

@@ -23,6 +23,8 @@ def base_config() -> ConfigDict:
     c.model = ConfigDict()
     c.model.path = config_dict.placeholder(str)        # local HF Qwen2 directory; None: random init (below)
     c.model.tokenizer = config_dict.placeholder(str)   # tokenizer directory (default: model.path)
+    c.model.preset = config_dict.placeholder(str)      # architecture name (sem_jax.model.presets) for
+                                                        # compile-only checks without weights
     c.model.dtype = "float32"                           # parameter dtype
     c.model.compute_dtype = "float32"                   # activation dtype
     c.model.remat = "none"                              # none | full | dots | dots_no_batch
@@ -33,11 +35,19 @@ def base_config() -> ConfigDict:
 
     c.mesh = ConfigDict(dict(data=1, fsdp=-1, tensor=1))  # -1: all remaining devices
 
+    c.distributed = ConfigDict()
+    c.distributed.mode = "auto"          # auto: initialise on TPU pods or with a coordinator; on | off
+    c.distributed.coordinator_address = config_dict.placeholder(str)  # host:port (GPU/CPU clusters)
+    c.distributed.num_processes = config_dict.placeholder(int)
+    c.distributed.process_id = config_dict.placeholder(int)
+    c.distributed.cpu_collectives = config_dict.placeholder(str)  # "gloo" for multi-process CPU runs
+
     c.data = ConfigDict()
     c.data.train_file = os.path.join(DEMO_DIR, "train.jsonl")
     c.data.eval_file = os.path.join(DEMO_DIR, "eval.jsonl")
     c.data.prompts_per_step = 4          # questions per GRPO step (x group_size trajectories)
     c.data.eval_questions = 100          # held-out questions per evaluation (greedy)
+    c.data.max_prompt_tokens = 256       # prompt length the AOT check sizes for
 
     c.retrieval = ConfigDict()
     c.retrieval.index_dir = config_dict.placeholder(str)  # built by scripts/build_index.py

@@ -115,3 +115,20 @@ def batch_sharding(mesh: Mesh, shape: Sequence[int]) -> NamedSharding:
     """Rows over the data-parallel axes, everything else replicated."""
     names = ("batch",) + ("length",) * (len(shape) - 1)
     return named_sharding(mesh, names, shape)
+
+
+def match_param_shardings(tree, params, mesh: Mesh):
+    """Shardings for a tree whose leaves mirror parameters (optimizer moments): a leaf whose
+    path ends with a parameter's path gets that parameter's sharding, any other is replicated.
+    (Zeros created under jit carry no data dependence, so propagation alone may replicate them.)"""
+    by_path = {tuple(str(k) for k in path): leaf.sharding
+               for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]}
+    longest = max((len(p) for p in by_path), default=0)
+
+    def pick(path, _):
+        keys = tuple(str(k) for k in path)
+        for n in range(min(longest, len(keys)), 0, -1):
+            if keys[-n:] in by_path:
+                return by_path[keys[-n:]]
+        return NamedSharding(mesh, PartitionSpec())
+    return jax.tree_util.tree_map_with_path(pick, tree)

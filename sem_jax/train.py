@@ -27,6 +27,7 @@ from ml_collections import ConfigDict, config_flags
 from sem_jax.checkpoint import Checkpointer
 from sem_jax.builders import build_policy, build_retriever
 from sem_jax.data.questions import load_questions
+from sem_jax.distributed import initialize as initialize_distributed
 from sem_jax.eval_lib import aggregate, evaluate, score_trajectory
 from sem_jax.metrics import MetricWriter
 from sem_jax.model import Qwen2Config
@@ -70,6 +71,11 @@ def step_flops(model_cfg: Qwen2Config, rollout_tokens: int, train_tokens: int, r
 
 def train(config: ConfigDict) -> dict[str, float]:
     """Run (or resume) training as configured; returns the last step's metrics."""
+    if jax.process_count() > 1:
+        # Refuse rather than train wrongly: per-host rollouts feeding global arrays
+        # (make_array_from_process_local_data) are not built yet.
+        raise NotImplementedError(f"{jax.process_count()} processes: multi-host training is not supported yet; "
+                                  "run one process (all local devices are used)")
     run_dir = os.path.abspath(config.run_dir)
     os.makedirs(run_dir, exist_ok=True)
     if jax.process_index() == 0:
@@ -176,10 +182,20 @@ def train(config: ConfigDict) -> dict[str, float]:
             metrics["mfu"] = flops / dt / (config.peak_flops * jax.device_count())
         if (step + 1) % config.train.log_every == 0 or step + 1 == total:
             writer.write(step + 1, metrics, total=total)
-        if (step + 1) % config.train.ckpt_every == 0 or step + 1 == total:
+        def save():
             ckpt.save(step + 1, params, opt_state, {"step": step + 1, "data_position":
                                                      (step + 1) * config.data.prompts_per_step,
                                                      "skipped_total": skipped_total, "seed": config.seed})
+        due = (step + 1) % config.train.ckpt_every == 0 or step + 1 == total
+        if due:
+            save()
+        if ckpt.manager.reached_preemption(step + 1):
+            # TPU maintenance / spot preemption notice: save now, exit cleanly, resume on relaunch.
+            if not due:
+                save()
+            ckpt.close()
+            print(f"preemption notice: saved step {step + 1}, exiting", flush=True)
+            return metrics
         if config.train.debug_kill_at_step == step + 1:
             ckpt.wait()
             os.kill(os.getpid(), signal.SIGKILL)
@@ -201,6 +217,7 @@ def main(argv: list[str]) -> None:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     # Orbax logs every file operation at INFO through absl; keep the console readable.
     absl_logging.set_verbosity(absl_logging.WARNING)
+    initialize_distributed(_CONFIG.value.distributed)  # first: before anything starts a backend
     train(_CONFIG.value)
 
 

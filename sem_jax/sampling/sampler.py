@@ -196,6 +196,14 @@ def _insert(graphdef, params, state: SamplerState, ids, n, end_rows) -> SamplerS
         paused=jnp.zeros_like(state.paused), done=state.done | end_rows | (resp_len >= width))
 
 
+# The compiled step functions (graph definition static; weights and state as arguments, the
+# state donated). Module-level so that compile-only checks can lower them without a Sampler.
+prefill_step = jax.jit(_prefill, static_argnums=0,
+                       static_argnames=("group_size", "cache_len", "resp_len", "cache_dtype"))
+decode_loop = jax.jit(_decode, static_argnums=0, static_argnames=("cfg", "max_steps"), donate_argnums=2)
+insert_step = jax.jit(_insert, static_argnums=0, donate_argnums=2)
+
+
 class Sampler:
     """Batched sampler over a `Qwen2`: `start` (prefill), `decode`, `insert`, `fetch`.
 
@@ -216,11 +224,6 @@ class Sampler:
         self.stop_table = jnp.asarray(table[:vocab])
         self.eos_ids = jnp.asarray(np.array(cfg.eos_ids or [-1], np.int32))
         self.max_steps = max_steps_per_call or cfg.max_new_tokens
-        self._prefill = jax.jit(_prefill, static_argnums=0,
-                                static_argnames=("group_size", "cache_len", "resp_len", "cache_dtype"))
-        self._decode = jax.jit(_decode, static_argnums=0, static_argnames=("cfg", "max_steps"),
-                               donate_argnums=2)
-        self._insert = jax.jit(_insert, static_argnums=0, donate_argnums=2)
 
     def set_params(self, params: Any) -> None:
         """Use new policy weights (same structure) for the next rollouts."""
@@ -235,13 +238,13 @@ class Sampler:
         for i, p in enumerate(prompts):
             arr[i, :len(p)] = p
         lengths = np.array([len(p) for p in prompts], np.int32)
-        return self._prefill(self.graphdef, self.params, jnp.asarray(arr), jnp.asarray(lengths), key,
+        return prefill_step(self.graphdef, self.params, jnp.asarray(arr), jnp.asarray(lengths), key,
                              group_size=group_size, cache_len=width + self.config.max_new_tokens,
                              resp_len=self.config.max_new_tokens, cache_dtype=self.cache_dtype)
 
     def decode(self, state: SamplerState) -> SamplerState:
         """Sample until every row is done or paused at a stop string. Donates `state`."""
-        return self._decode(self.graphdef, self.params, state, self.stop_table, self.eos_ids,
+        return decode_loop(self.graphdef, self.params, state, self.stop_table, self.eos_ids,
                             cfg=self.config, max_steps=self.max_steps)
 
     def insert(self, state: SamplerState, blocks: Sequence[Sequence[int]],
@@ -256,6 +259,6 @@ class Sampler:
             ids[i, :len(blk)] = blk
             n[i] = len(blk)
         end = np.zeros(b, bool) if end_rows is None else np.asarray(end_rows, bool)
-        return self._insert(self.graphdef, self.params, state, jnp.asarray(ids), jnp.asarray(n),
+        return insert_step(self.graphdef, self.params, state, jnp.asarray(ids), jnp.asarray(n),
                             jnp.asarray(end))
 

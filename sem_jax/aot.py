@@ -1,0 +1,210 @@
+"""Compile-only check that a config fits its target, before anyone pays for a pod.
+
+    python -m sem_jax.aot --config configs/tpu_v4.py --topology v4:2x2x4
+    python -m sem_jax.aot --config configs/tpu_v4.py:14b --topology v4:4x4x4
+
+With `jax[tpu]` installed on a CPU host (no TPU needed), builds the topology's devices,
+the config's mesh and shardings, and compiles the GRPO update, the reference log-prob pass
+and the sampler's prefill and decode with abstract inputs at the config's real shapes.
+Prints per-device memory (arguments, outputs, temporaries) against HBM and FLOPs per call
+(XLA counts a loop body once); exits 1 when something does not fit, including when the TPU
+compiler itself refuses for lack of HBM. Without --topology it compiles for the local devices.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+
+import jax
+import jax.numpy as jnp
+from absl import app, flags
+from absl import logging as absl_logging
+from flax import nnx
+from ml_collections import ConfigDict, config_flags
+
+from sem_jax.model import Qwen2, Qwen2Config
+from sem_jax.model.hf_io import read_config
+from sem_jax.model.presets import preset
+from sem_jax.rl.loss import GRPOConfig
+from sem_jax.rl.trainer import GRPOTrainer, OptimConfig
+from sem_jax.sampling.sampler import SamplingConfig, bucket_length, decode_loop, prefill_step
+from sem_jax.sharding import batch_sharding, make_mesh, match_param_shardings, named_sharding
+
+# HBM per device as the TPU compiler sees a compile-only topology device: one TensorCore.
+# (v4 and v5p chips hold two TensorCores; in megacore mode a chip is one device with twice
+# this, so the check is conservative there.)
+HBM_GIB = {"TPU v4": 16.0, "TPU v5 lite": 16.0, "TPU v5": 47.5, "TPU v6 lite": 32.0}
+STOP_STATES = len("</search>") + 1
+
+
+@dataclasses.dataclass
+class Row:
+    name: str
+    argument: int
+    output: int
+    temp: int
+    alias: int
+    flops: float
+    error: str = ""  # the compiler refused (e.g. RESOURCE_EXHAUSTED: out of HBM)
+
+    @property
+    def peak(self) -> int:
+        return self.argument + self.output + self.temp - self.alias
+
+
+def model_config(config: ConfigDict) -> Qwen2Config:
+    m = config.model
+    if m.preset:
+        return preset(m.preset)
+    if m.path and os.path.exists(os.path.join(m.path, "config.json")):
+        return read_config(m.path)
+    if m.path:
+        raise ValueError(f"model.path {m.path!r} is not a local directory: set model.preset for a compile-only check")
+    i = m.init  # random-init demo model; the vocabulary is the BPE size plus 3 specials, padded
+    return Qwen2Config(vocab_size=-(-(i.tokenizer_vocab + 3) // 64) * 64, hidden_size=i.hidden_size,
+                       intermediate_size=i.intermediate_size, num_layers=i.num_layers, num_heads=i.num_heads,
+                       num_kv_heads=i.num_kv_heads, rope_theta=i.rope_theta, tie_word_embeddings=i.tie_word_embeddings)
+
+
+def target_devices(topology: str | None) -> list:
+    if not topology:
+        return jax.devices()
+    from jax.experimental import topologies
+    try:
+        devices = list(topologies.get_topology_desc(platform="tpu", topology_name=topology).devices)
+    except Exception as e:  # noqa: BLE001 - libtpu missing or a bad name: say which
+        raise RuntimeError(f"cannot build TPU topology {topology!r} ({type(e).__name__}: {e}); "
+                           "is jax[tpu] (libtpu) installed?") from None
+    # The description lists every TensorCore; v4 and v5p run one device per chip (megacore).
+    return [d for d in devices if getattr(d, "core_on_chip", 0) == 0]
+
+
+def hbm_per_device(devices: list, override_gib: float | None) -> float:
+    if override_gib:
+        return override_gib * 2**30
+    kind = devices[0].device_kind
+    if kind not in HBM_GIB:
+        raise ValueError(f"unknown HBM size for device kind {kind!r}: pass --hbm_gib")
+    return HBM_GIB[kind] * 2**30
+
+
+def _abstract(tree, shardings):
+    return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), tree, shardings)
+
+
+def _compile(name: str, lowered) -> tuple[Row, object | None]:
+    try:
+        compiled = lowered.compile()
+    except jax.errors.JaxRuntimeError as e:
+        if "RESOURCE_EXHAUSTED" not in str(e):
+            raise
+        return Row(name, 0, 0, 0, 0, 0.0, error=str(e).split("\n")[0]), None
+    return _row(name, compiled), compiled
+
+
+def _row(name: str, compiled) -> Row:
+    m = compiled.memory_analysis()
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+    return Row(name, m.argument_size_in_bytes, m.output_size_in_bytes, m.temp_size_in_bytes,
+               m.alias_size_in_bytes, float((cost or {}).get("flops", 0.0)))
+
+
+def check(config: ConfigDict, topology: str | None = None, hbm_gib: float | None = None) -> tuple[list[Row], float]:
+    """Compile every step function for the target; returns the rows and HBM bytes per device."""
+    devices = target_devices(topology)
+    hbm = hbm_per_device(devices, hbm_gib)
+    mesh = make_mesh(config.mesh.data, config.mesh.fsdp, config.mesh.tensor, devices=devices)
+    mcfg = model_config(config)
+    dtype, compute = jnp.dtype(config.model.dtype), jnp.dtype(config.model.compute_dtype)
+    model = nnx.eval_shape(lambda: Qwen2(mcfg, rngs=nnx.Rngs(0), param_dtype=dtype, dtype=compute,
+                                         remat=config.model.remat))
+    graphdef, state = nnx.split(model)
+    params = jax.tree.map(
+        lambda v: v.replace(jax.ShapeDtypeStruct(v.shape, v.dtype,
+                                                 sharding=named_sharding(mesh, v.get_metadata()["axes"], v.shape))),
+        state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+    r, g = config.rollout, config.rollout.group_size
+    rows_n = config.data.prompts_per_step * g
+    micro = min(config.rl.micro_batch, rows_n)
+    grpo = GRPOConfig(beta=config.rl.beta, clip_eps=config.rl.clip_eps, loss_agg=config.rl.loss_agg)
+    trainer = GRPOTrainer(model, grpo, OptimConfig(**config.optim.to_dict()), micro_batch=micro,
+                          logprob_chunk=config.rl.logprob_chunk)
+    out: list[Row] = []
+    with jax.set_mesh(mesh):
+        opt_shapes = jax.eval_shape(trainer.tx.init, params)
+        opt = _abstract(opt_shapes, match_param_shardings(opt_shapes, params, mesh))
+        t = bucket_length(config.data.max_prompt_tokens + r.max_new_tokens - 1, 32)
+
+        def arr(shape, dt):
+            return jax.ShapeDtypeStruct(shape, dt, sharding=batch_sharding(mesh, shape))
+        batch = {"inputs": arr((rows_n, t), jnp.int32), "targets": arr((rows_n, t), jnp.int32),
+                 "mask": arr((rows_n, t), jnp.float32), "advantages": arr((rows_n,), jnp.float32),
+                 "sampler_logprobs": arr((rows_n, t), jnp.float32)}
+        ref = arr((rows_n, t), jnp.float32) if grpo.beta > 0 else None
+        out.append(_compile("grpo update", trainer._update.lower(params, opt, batch, ref))[0])
+        if ref is not None:
+            lp_in = {"inputs": batch["inputs"], "targets": batch["targets"]}
+            out.append(_compile("reference logprobs", trainer._logprobs.lower(params, lp_in))[0])
+        scfg = SamplingConfig(max_new_tokens=r.max_new_tokens, temperature=r.temperature)
+        p = config.data.prompts_per_step
+        tp = bucket_length(config.data.max_prompt_tokens)
+        key = jax.eval_shape(lambda: jax.random.key(0))
+        static = dict(group_size=g, cache_len=tp + r.max_new_tokens, resp_len=r.max_new_tokens, cache_dtype=compute)
+        prompts, lengths = arr((p, tp), jnp.int32), arr((p,), jnp.int32)
+        row, prefill = _compile("sampler prefill", prefill_step.lower(graphdef, params, prompts, lengths, key,
+                                                                      **static))
+        out.append(row)
+        if prefill is None:  # the decode loop's input state comes from the prefill
+            return out, hbm
+        state = _abstract(jax.eval_shape(lambda *a: prefill_step(graphdef, *a, **static), params, prompts, lengths,
+                                         key), prefill.output_shardings)
+        table = jax.ShapeDtypeStruct((mcfg.vocab_size, STOP_STATES), jnp.int32)
+        out.append(_compile("sampler decode loop", decode_loop.lower(
+            graphdef, params, state, table, jax.ShapeDtypeStruct((2,), jnp.int32), cfg=scfg,
+            max_steps=r.max_new_tokens))[0])
+    return out, hbm
+
+
+def report(rows: list[Row], hbm: float, label: str) -> bool:
+    gib = lambda b: b / 2**30
+    print(f"{label}: per-device memory (GiB) against {gib(hbm):.1f} GiB HBM")
+    print("| step | arguments | outputs | temporaries | aliased | peak | fits | GFLOPs/device |")
+    print("|---|---|---|---|---|---|---|---|")
+    ok = True
+    for r in rows:
+        if r.error:
+            ok = False
+            print(f"| {r.name} | compiler: {r.error} | | | | | NO | |")
+            continue
+        fits = r.peak <= hbm
+        ok &= fits
+        print(f"| {r.name} | {gib(r.argument):.2f} | {gib(r.output):.2f} | {gib(r.temp):.2f} | {gib(r.alias):.2f} | "
+              f"{gib(r.peak):.2f} | {'yes' if fits else 'NO'} | {r.flops / 1e9:.1f} |")
+    return ok
+
+
+_CONFIG = config_flags.DEFINE_config_file("config", None, "Training config to check.")
+flags.DEFINE_string("topology", None, "TPU topology, e.g. v4:2x2x4 (needs jax[tpu]); default: local devices")
+flags.DEFINE_float("hbm_gib", None, "HBM per device in GiB (default: from the device kind)")
+FLAGS = flags.FLAGS
+
+
+def main(argv):
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    absl_logging.set_verbosity(absl_logging.ERROR)
+    if _CONFIG.value is None:
+        raise app.UsageError("--config is required")
+    rows, hbm = check(_CONFIG.value, FLAGS.topology, FLAGS.hbm_gib)
+    ok = report(rows, hbm, f"{FLAGS.topology or jax.devices()[0].device_kind} mesh {dict(_CONFIG.value.mesh)}")
+    if not ok:
+        print("DOES NOT FIT: shrink micro_batch / max_new_tokens, add remat, or use more devices", file=sys.stderr)
+        sys.exit(1)
+    print("fits")
+
+
+if __name__ == "__main__":
+    app.run(main)
