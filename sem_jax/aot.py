@@ -186,9 +186,14 @@ def report(rows: list[Row], hbm: float, label: str) -> bool:
     return ok
 
 
-_CONFIG = config_flags.DEFINE_config_file("config", None, "Training config to check.")
-flags.DEFINE_string("topology", None, "TPU topology, e.g. v4:2x2x4 (needs jax[tpu]); default: local devices")
-flags.DEFINE_float("hbm_gib", None, "HBM per device in GiB (default: from the device kind)")
+def define_flags():
+    """Flags exist only when run as a program (importing this module registers none)."""
+    global _CONFIG
+    _CONFIG = config_flags.DEFINE_config_file("config", None, "Training config to check.")
+    flags.DEFINE_string("topology", None, "TPU topology, e.g. v4:2x2x4 (needs jax[tpu]); default: local devices")
+    flags.DEFINE_float("hbm_gib", None, "HBM per device in GiB (default: from the device kind)")
+
+
 FLAGS = flags.FLAGS
 
 
@@ -207,4 +212,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
+    define_flags()
     app.run(main)

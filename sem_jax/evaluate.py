@@ -98,15 +98,20 @@ def evaluate_modes(sampler, tokenizer, retriever, data: dict[str, list[Example]]
 
 # -- command line -------------------------------------------------------------------------
 
-_CONFIG = config_flags.DEFINE_config_file("config", None, "Training config (model, retrieval, rollout).")
-flags.DEFINE_string("checkpoint", None, "run_dir/ckpt of a sem_jax run (parameters restored alone)")
-flags.DEFINE_integer("step", None, "checkpoint step (default: latest)")
-flags.DEFINE_string("hf", None, "a Hugging Face model directory instead of a checkpoint")
-flags.DEFINE_string("data", None, "name=path[,name=path...] with name in musique, mmlu, hotpotqa, gsm8k; "
-                    "default: the config's eval file")
-flags.DEFINE_integer("limit", None, "questions per data set")
-flags.DEFINE_string("modes", "policy,direct,naive_rag", "comma-separated modes")
-flags.DEFINE_string("out", None, "output directory (default: <run_dir>/eval)")
+def define_flags():
+    """Flags exist only when run as a program (importing this module registers none)."""
+    global _CONFIG
+    _CONFIG = config_flags.DEFINE_config_file("config", None, "Training config (model, retrieval, rollout).")
+    flags.DEFINE_string("checkpoint", None, "run_dir/ckpt of a sem_jax run (parameters restored alone)")
+    flags.DEFINE_integer("step", None, "checkpoint step (default: latest)")
+    flags.DEFINE_string("hf", None, "a Hugging Face model directory instead of a checkpoint")
+    flags.DEFINE_string("data", None, "name=path[,name=path...] with name in musique, mmlu, hotpotqa, gsm8k; "
+                        "default: the config's eval file")
+    flags.DEFINE_integer("limit", None, "questions per data set")
+    flags.DEFINE_string("modes", "policy,direct,naive_rag", "comma-separated modes")
+    flags.DEFINE_string("out", None, "output directory (default: <run_dir>/eval)")
+
+
 FLAGS = flags.FLAGS
 
 
@@ -166,4 +171,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
+    define_flags()
     app.run(main)

@@ -26,11 +26,15 @@ from sem_jax.model import Qwen2, save_pretrained
 from sem_jax.model.hf_io import read_config
 from sem_jax.model.tokenizer import load_tokenizer
 
-flags.DEFINE_string("checkpoint", None, "run_dir/ckpt of a sem_jax run", required=True)
-flags.DEFINE_integer("step", None, "checkpoint step (default: latest)")
-flags.DEFINE_string("out", None, "output directory", required=True)
-flags.DEFINE_enum("dtype", "bfloat16", ["bfloat16", "float32", "float16"], "dtype of the written weights")
-flags.DEFINE_string("max_shard_size", "5GB", "split the safetensors above this size")
+def define_flags():
+    """Flags exist only when run as a program (importing this module registers none)."""
+    flags.DEFINE_string("checkpoint", None, "run_dir/ckpt of a sem_jax run", required=True)
+    flags.DEFINE_integer("step", None, "checkpoint step (default: latest)")
+    flags.DEFINE_string("out", None, "output directory", required=True)
+    flags.DEFINE_enum("dtype", "bfloat16", ["bfloat16", "float32", "float16"], "dtype of the written weights")
+    flags.DEFINE_string("max_shard_size", "5GB", "split the safetensors above this size")
+
+
 FLAGS = flags.FLAGS
 
 
@@ -74,4 +78,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
+    define_flags()
     app.run(main)

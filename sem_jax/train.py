@@ -208,8 +208,12 @@ def train(config: ConfigDict) -> dict[str, float]:
     return metrics
 
 
-_CONFIG = config_flags.DEFINE_config_file("config", DEFAULT_CONFIG, "Training config file (ml_collections).",
-                                          lock_config=True)
+def define_flags():
+    # Defined only when run as a program, so that importing this module (as evaluate does)
+    # never registers a second --config.
+    global _CONFIG
+    _CONFIG = config_flags.DEFINE_config_file("config", DEFAULT_CONFIG, "Training config file (ml_collections).",
+                                              lock_config=True)
 
 
 def main(argv: list[str]) -> None:
@@ -222,4 +226,5 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
+    define_flags()
     app.run(main)
