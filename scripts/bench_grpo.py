@@ -34,13 +34,12 @@ CFG = dict(vocab_size=8192, hidden_size=256, intermediate_size=768, num_hidden_l
 PROMPTS, G, PROMPT_LEN, NEW = 8, 8, 32, 64
 
 
-def matmul_params() -> int:
-    e, h, k, d, m, l, v = 256, 4, 2, 64, 768, 4, 8192
-    return l * (e * d * (2 * h + 2 * k) + 3 * e * m) + v * e
-
-
 def model_flops() -> float:
-    return 2.0 * matmul_params() * 5 * PROMPTS * G * (PROMPT_LEN + NEW)
+    """2 x matmul params x 5 passes (rollout, reference, update x 3) x tokens."""
+    from sem_jax.model import Qwen2Config
+    cfg = Qwen2Config(vocab_size=8192, hidden_size=256, intermediate_size=768, num_layers=4, num_heads=4,
+                      num_kv_heads=2, tie_word_embeddings=True)
+    return 2.0 * cfg.matmul_params * 5 * PROMPTS * G * (PROMPT_LEN + NEW)
 
 
 def matmul_peak(n: int = 2048, repeats: int = 5) -> float:

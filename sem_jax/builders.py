@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -24,9 +25,9 @@ def init_model_config(config: ConfigDict, tokenizer) -> Qwen2Config:
                        eos_token_id=tokenizer.eos_token_id)
 
 
-def build_policy(config: ConfigDict, texts: list[str], run_dir: str) -> tuple[Qwen2, Any]:
+def build_policy(config: ConfigDict, texts: Callable[[], list[str]] | None, run_dir: str) -> tuple[Qwen2, Any]:
     """The policy and its tokenizer: a local HF directory, or (no path) a random tiny model
-    with a small BPE trained on the run's own text (saved to run_dir/tokenizer)."""
+    with a small BPE trained on `texts()` (saved to run_dir/tokenizer, reused on resume)."""
     m = config.model
     dtype, compute = jnp.dtype(m.dtype), jnp.dtype(m.compute_dtype)
     if m.path:
@@ -37,9 +38,9 @@ def build_policy(config: ConfigDict, texts: list[str], run_dir: str) -> tuple[Qw
     if os.path.exists(os.path.join(tok_dir, "tokenizer.json")):  # resumed run: the same tokenizer
         tokenizer = load_tokenizer(tok_dir)
     else:
-        if not texts:
+        if texts is None:
             raise FileNotFoundError(f"{tok_dir}: no tokenizer.json (was this run trained with model.path unset?)")
-        tokenizer = train_bpe_tokenizer(texts, m.init.tokenizer_vocab)
+        tokenizer = train_bpe_tokenizer(texts(), m.init.tokenizer_vocab)
         if jax.process_index() == 0:
             tokenizer.save_pretrained(tok_dir)
     model = Qwen2(init_model_config(config, tokenizer), rngs=nnx.Rngs(config.seed), param_dtype=dtype,

@@ -33,9 +33,6 @@ class Checkpointer:
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
 
-    def all_steps(self) -> list[int]:
-        return list(self.manager.all_steps())
-
     def save(self, step: int, params: Any, opt_state: Any, meta: dict) -> None:
         self.manager.save(step, args=ocp.args.Composite(
             params=ocp.args.StandardSave(params), opt_state=ocp.args.StandardSave(opt_state),

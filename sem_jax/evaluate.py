@@ -127,7 +127,7 @@ def load_policy(config, checkpoint: str | None, step: int | None, hf: str | None
     if not checkpoint:
         raise app.UsageError("give --checkpoint RUN/ckpt or --hf DIR")
     run_dir = os.path.dirname(os.path.abspath(checkpoint.rstrip("/")))
-    model, tokenizer = build_policy(config, [], run_dir)
+    model, tokenizer = build_policy(config, None, run_dir)
     _, params = nnx.split(model)
     params, got = Checkpointer(checkpoint).restore_params(step, params)
     nnx.update(model, params)

@@ -61,10 +61,7 @@ def batch_at(examples: list, step: int, per_step: int, seed: int) -> list:
 
 def step_flops(model_cfg: Qwen2Config, rollout_tokens: int, train_tokens: int, ref: bool) -> float:
     """2 x matmul params x tokens per pass: rollout 1, reference 1, update 3 (fwd + bwd)."""
-    c = model_cfg
-    per_layer = c.hidden_size * c.head_dim * (2 * c.num_heads + 2 * c.num_kv_heads) + 3 * c.hidden_size * c.intermediate_size
-    matmul = c.num_layers * per_layer + c.vocab_size * c.hidden_size
-    return 2.0 * matmul * (rollout_tokens + train_tokens * (3 + int(ref)))
+    return 2.0 * model_cfg.matmul_params * (rollout_tokens + train_tokens * (3 + int(ref)))
 
 
 # -- the loop ----------------------------------------------------------------------------
@@ -86,8 +83,9 @@ def train(config: ConfigDict) -> dict[str, float]:
     train_set = load_questions(config.data.train_file)
     eval_set = load_questions(config.data.eval_file)[:config.data.eval_questions]
     retriever = build_retriever(config)
-    texts = [SYSTEM_PROMPT] + [e.question + " " + " ".join(e.answers) for e in train_set + eval_set] + \
-        [f"{d['title']} {d['text']}" for d in retriever._iter_corpus()]
+    # Text for the demo's own BPE; only read when no pretrained model is given.
+    texts = lambda: [SYSTEM_PROMPT] + [e.question + " " + " ".join(e.answers) for e in train_set + eval_set] + \
+        [f"{d['title']} {d['text']}" for d in retriever.passages()]
     model, tokenizer = build_policy(config, texts, run_dir)
 
     rp = RewardParams(**config.reward_params.to_dict())
@@ -175,7 +173,8 @@ def train(config: ConfigDict) -> dict[str, float]:
                    "skipped_steps": skipped_total, "sampler_gap": float(m["sampler_gap"]),
                    "adv/abs_mean": float(np.abs(adv).mean()),
                    "tokens_per_s": sampled / max(t_rollout, 1e-9), "time/step": dt, "time/rollout": t_rollout,
-                   "time/retrieval": rstats.retrieval_s, "time/reference": t_ref, "time/update": t_update}
+                   "time/retrieval": rstats.retrieval_s, "pause_rounds": rstats.pause_rounds,
+                   "retriever_calls": rstats.retriever_calls, "time/reference": t_ref, "time/update": t_update}
         metrics.update(aggregate(records))
         if config.peak_flops:
             flops = step_flops(model.config, sampled, train_tokens, ref_lp is not None)

@@ -35,14 +35,10 @@ class Qwen2Config:
             raise ValueError(f"head_dim {self.head_dim} must be even for RoPE")
 
     @property
-    def num_params(self) -> int:
-        """Parameter count (embedding and LM head counted once each)."""
-        e, d, h, k, i, l = (self.hidden_size, self.head_dim, self.num_heads, self.num_kv_heads,
-                            self.intermediate_size, self.num_layers)
-        attn = e * h * d + 2 * e * k * d + h * d + 2 * k * d + h * d * e
-        per_layer = attn + 3 * e * i + 2 * e
-        head = 0 if self.tie_word_embeddings else self.vocab_size * e
-        return self.vocab_size * e + l * per_layer + e + head
+    def matmul_params(self) -> int:
+        """Weights that take part in matmuls per token (for FLOP counts): layers and LM head."""
+        e, d, h, k, i = self.hidden_size, self.head_dim, self.num_heads, self.num_kv_heads, self.intermediate_size
+        return self.num_layers * (e * d * (2 * h + 2 * k) + 3 * e * i) + self.vocab_size * e
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any], source: str = "config.json") -> "Qwen2Config":

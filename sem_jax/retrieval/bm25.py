@@ -89,7 +89,7 @@ class Retriever:
     def save(self, out_dir: str) -> None:
         """Index, corpus and the tokenizer/stemmer settings, side by side."""
         os.makedirs(out_dir, exist_ok=True)
-        self.bm25.save(out_dir, corpus=list(self._iter_corpus()), show_progress=False)
+        self.bm25.save(out_dir, corpus=list(self.passages()), show_progress=False)
         with open(os.path.join(out_dir, "sem_jax_index.json"), "w") as fh:
             json.dump(self.settings, fh, indent=2)
 
@@ -110,7 +110,8 @@ class Retriever:
         corpus, bm25.corpus = bm25.corpus, None
         return cls(bm25, corpus, settings)
 
-    def _iter_corpus(self) -> Iterable[dict[str, str]]:
+    def passages(self) -> Iterable[dict[str, str]]:
+        """Every indexed passage ({id, title, text}), in index order."""
         for i in range(len(self)):
             yield self.corpus[i]
 
