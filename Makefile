@@ -19,8 +19,11 @@ install: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q tests
 
+# The main job on the embedded CPU default (configs/demo_cpu.py): a tiny random policy, so the
+# curves are flat until the warm-started demo lands; a fresh run each time.
 demo: $(STAMP)
-	$(PY) -m sem_jax.demo
+	rm -rf runs/demo
+	$(PY) -m sem_jax.train --config.run_dir=runs/demo
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -151,8 +151,9 @@ def main(argv):
         data = {}
         for item in FLAGS.data.split(","):
             name, _, path = item.partition("=")
-            data[name] = load_source(name, path, split="validation" if name != "mmlu" else "test",
-                                     limit=FLAGS.limit)
+            # Hub ids: the split each data set is evaluated on (local files are read whole).
+            split = {"mmlu": "test", "gsm8k": "test"}.get(name, "validation")
+            data[name] = load_source(name, path, split=split, limit=FLAGS.limit)
     else:
         data = {"eval": load_questions(config.data.eval_file)[:FLAGS.limit]}
     eos = tuple(i for i in (tokenizer.eos_token_id,) if i is not None)

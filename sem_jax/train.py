@@ -181,6 +181,7 @@ def train(config: ConfigDict) -> dict[str, float]:
             metrics["mfu"] = flops / dt / (config.peak_flops * jax.device_count())
         if (step + 1) % config.train.log_every == 0 or step + 1 == total:
             writer.write(step + 1, metrics, total=total)
+
         def save():
             ckpt.save(step + 1, params, opt_state, {"step": step + 1, "data_position":
                                                      (step + 1) * config.data.prompts_per_step,
@@ -208,8 +209,8 @@ def train(config: ConfigDict) -> dict[str, float]:
 
 
 def define_flags():
-    # Defined only when run as a program, so that importing this module (as evaluate does)
-    # never registers a second --config.
+    # Defined only when run as a program: importing this module (tests, other entry points)
+    # must not register a second --config.
     global _CONFIG
     _CONFIG = config_flags.DEFINE_config_file("config", DEFAULT_CONFIG, "Training config file (ml_collections).",
                                               lock_config=True)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -74,6 +75,7 @@ class Retriever:
         """Index passages ({id, title, text}); the title is indexed with the text."""
         import bm25s
 
+        _quiet_bm25s()
         settings = {"format": FORMAT, "stemmer": stemmer, "stopwords": stopwords, "k1": k1, "b": b,
                     "method": method, "num_docs": len(docs)}
         tokens = bm25s.tokenize([f"{d['title']}\n{d['text']}" for d in docs], stopwords=stopwords,
@@ -141,6 +143,11 @@ class Retriever:
                     out[i].append(Passage(id=d["id"], title=d.get("title", ""), text=d["text"],
                                           score=float(score)))
         return out
+
+
+def _quiet_bm25s() -> None:
+    # bm25s logs every index build at INFO; progress bars already say what is happening.
+    logging.getLogger("bm25s").setLevel(logging.WARNING)
 
 
 def _stemmer(language: str | None):
