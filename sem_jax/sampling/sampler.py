@@ -205,7 +205,7 @@ insert_step = jax.jit(_insert, static_argnums=0, donate_argnums=2)
 
 
 class Sampler:
-    """Batched sampler over a `Qwen2`: `start` (prefill), `decode`, `insert`, `fetch`.
+    """Batched sampler over a `Qwen2`: `start` (prefill), `decode`, `insert`.
 
     Recompiles are bounded: prompt length and insert width are bucketed
     (`bucket_length`); the batch size and response budget are fixed by the caller.
@@ -239,13 +239,13 @@ class Sampler:
             arr[i, :len(p)] = p
         lengths = np.array([len(p) for p in prompts], np.int32)
         return prefill_step(self.graphdef, self.params, jnp.asarray(arr), jnp.asarray(lengths), key,
-                             group_size=group_size, cache_len=width + self.config.max_new_tokens,
-                             resp_len=self.config.max_new_tokens, cache_dtype=self.cache_dtype)
+                            group_size=group_size, cache_len=width + self.config.max_new_tokens,
+                            resp_len=self.config.max_new_tokens, cache_dtype=self.cache_dtype)
 
     def decode(self, state: SamplerState) -> SamplerState:
         """Sample until every row is done or paused at a stop string. Donates `state`."""
         return decode_loop(self.graphdef, self.params, state, self.stop_table, self.eos_ids,
-                            cfg=self.config, max_steps=self.max_steps)
+                           cfg=self.config, max_steps=self.max_steps)
 
     def insert(self, state: SamplerState, blocks: Sequence[Sequence[int]],
                end_rows: Sequence[bool] | None = None) -> SamplerState:
@@ -260,5 +260,5 @@ class Sampler:
             n[i] = len(blk)
         end = np.zeros(b, bool) if end_rows is None else np.asarray(end_rows, bool)
         return insert_step(self.graphdef, self.params, state, jnp.asarray(ids), jnp.asarray(n),
-                            jnp.asarray(end))
+                           jnp.asarray(end))
 
