@@ -24,7 +24,9 @@ def get_config(size: str = "7b"):
     c.data.eval_file = "gs://YOUR_BUCKET/data/sem_eval.jsonl"
     c.data.prompts_per_step = 64
     c.retrieval.index_dir = "/mnt/disks/index"  # every host holds a copy (retrieval runs per host)
-    c.rl.micro_batch = 2              # chosen with sem_jax.aot: the update peaks at 14.8 of 16 GiB (v4:2x2x4)
+    # Checked with sem_jax.aot (tpu/README.md): 7B on v4:2x2x4 peaks at 14.9 of 16 GiB with 16 rows
+    # (one per chip); 14B on v4:4x4x4 was checked with 2 rows (7.4 GiB).
+    c.rl.micro_batch = 16 if size == "7b" else 2
     c.train.total_steps = 300
     c.train.eval_every = 25
     c.train.ckpt_every = 25
