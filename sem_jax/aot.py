@@ -7,8 +7,9 @@ With `jax[tpu]` installed on a CPU host (no TPU needed), builds the topology's d
 the config's mesh and shardings, and compiles the GRPO update, the reference log-prob pass
 and the sampler's prefill and decode with abstract inputs at the config's real shapes.
 Prints per-device memory (arguments, outputs, temporaries) against HBM and FLOPs per call
-(XLA counts every loop body once: the layer scan too, so they only compare configs); exits 1 when something does not fit, including when the TPU
-compiler itself refuses for lack of HBM. Without --topology it compiles for the local devices.
+(XLA counts every loop body once, the layer scan too: they only compare configs); exits 1
+when something does not fit, including when the TPU compiler itself refuses for lack of HBM.
+Without --topology it compiles for the local devices.
 """
 
 from __future__ import annotations
