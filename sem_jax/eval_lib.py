@@ -1,4 +1,5 @@
-"""Greedy evaluation of a policy: EM, F1, search ratio and searches per question, by source."""
+"""Greedy evaluation of a policy (used by training and by `sem_jax.evaluate`): EM, F1, search
+ratio and searches per question, by source."""
 
 from __future__ import annotations
 
@@ -9,10 +10,11 @@ import jax
 import numpy as np
 
 from sem_jax.data.example import Example
+from sem_jax.retrieval.format import format_results
 from sem_jax.sampling.rollout import RolloutConfig, Trajectory, rollout
 from sem_jax.sem.parse import parse_response
 from sem_jax.sem.scoring import score_answer
-from sem_jax.sem.template import encode_prompt
+from sem_jax.sem.template import DIRECT_SYSTEM_PROMPT, encode_prompt, rag_prompt
 
 
 def score_trajectory(t: Trajectory, ex: Example) -> dict:
@@ -41,15 +43,32 @@ def aggregate(records: Sequence[dict]) -> dict[str, float]:
     return out
 
 
-def evaluate(sampler, tokenizer, retriever, examples: Sequence[Example], cfg: RolloutConfig,
-             batch_size: int, seed: int = 0) -> tuple[dict[str, float], list[dict]]:
-    """One greedy trajectory per question (group size 1), in batches of `batch_size` prompts."""
-    cfg = RolloutConfig(group_size=1, max_searches=cfg.max_searches, top_k=cfg.top_k,
-                        max_tokens_per_passage=cfg.max_tokens_per_passage)
+MODES = ("policy", "direct", "naive_rag")
+
+
+def run_mode(mode: str, sampler, tokenizer, retriever, examples: Sequence[Example],
+             cfg: RolloutConfig, batch_size: int) -> list[dict]:
+    """Per-question records for one mode (greedy, group size 1)."""
+    if mode not in MODES:
+        raise ValueError(f"mode {mode!r}; choose from {MODES}")
+    searches = cfg.max_searches if mode == "policy" else 0
+    rcfg = RolloutConfig(group_size=1, max_searches=searches, top_k=cfg.top_k,
+                         max_tokens_per_passage=cfg.max_tokens_per_passage)
     records = []
     for i in range(0, len(examples), batch_size):
         chunk = list(examples[i:i + batch_size])
-        trajs, _ = rollout(sampler, tokenizer, retriever, [encode_prompt(tokenizer, e) for e in chunk],
-                           jax.random.key(seed), cfg)
-        records += [score_trajectory(t, e) for t, e in zip(trajs, chunk)]
-    return aggregate(records), records
+        if mode == "naive_rag":
+            hits = retriever.search([e.question for e in chunk], cfg.top_k)  # once per question
+            prompts = [tokenizer.encode(rag_prompt(e, format_results(h, tokenizer, cfg.max_tokens_per_passage)),
+                                        add_special_tokens=False) for e, h in zip(chunk, hits)]
+        elif mode == "direct":
+            prompts = [encode_prompt(tokenizer, e, DIRECT_SYSTEM_PROMPT) for e in chunk]
+        else:
+            prompts = [encode_prompt(tokenizer, e) for e in chunk]
+        trajs, _ = rollout(sampler, tokenizer, retriever, prompts, jax.random.key(0), rcfg)
+        for t, e in zip(trajs, chunk):
+            rec = score_trajectory(t, e)
+            if mode == "naive_rag":
+                rec["searches"] = 1  # it always retrieves (before answering)
+            records.append(rec)
+    return records

@@ -16,48 +16,14 @@ import json
 import os
 from collections.abc import Sequence
 
-import jax
 from absl import app, flags
 from absl import logging as absl_logging
 from flax import nnx
 from ml_collections import config_flags
 
 from sem_jax.data.example import Example
-from sem_jax.eval_lib import aggregate, score_trajectory
-from sem_jax.retrieval.format import format_results
-from sem_jax.sampling import RolloutConfig, Sampler, SamplingConfig, build_stop_automaton, rollout
-from sem_jax.sem.template import DIRECT_SYSTEM_PROMPT, encode_prompt, rag_prompt
-
-MODES = ("policy", "direct", "naive_rag")
-
-
-def run_mode(mode: str, sampler: Sampler, tokenizer, retriever, examples: Sequence[Example],
-             cfg: RolloutConfig, batch_size: int) -> list[dict]:
-    """Per-question records for one mode (greedy, group size 1)."""
-    if mode not in MODES:
-        raise ValueError(f"mode {mode!r}; choose from {MODES}")
-    searches = cfg.max_searches if mode == "policy" else 0
-    rcfg = RolloutConfig(group_size=1, max_searches=searches, top_k=cfg.top_k,
-                         max_tokens_per_passage=cfg.max_tokens_per_passage)
-    records = []
-    for i in range(0, len(examples), batch_size):
-        chunk = list(examples[i:i + batch_size])
-        if mode == "naive_rag":
-            hits = retriever.search([e.question for e in chunk], cfg.top_k)  # once per question
-            prompts = [tokenizer.encode(rag_prompt(e, format_results(h, tokenizer, cfg.max_tokens_per_passage)),
-                                        add_special_tokens=False) for e, h in zip(chunk, hits)]
-        elif mode == "direct":
-            prompts = [encode_prompt(tokenizer, e, DIRECT_SYSTEM_PROMPT) for e in chunk]
-        else:
-            prompts = [encode_prompt(tokenizer, e) for e in chunk]
-        trajs, _ = rollout(sampler, tokenizer, retriever, prompts, jax.random.key(0), rcfg)
-        for t, e in zip(trajs, chunk):
-            rec = score_trajectory(t, e)
-            if mode == "naive_rag":
-                rec["searches"] = 1  # it always retrieves (before answering)
-            records.append(rec)
-    return records
-
+from sem_jax.eval_lib import aggregate, run_mode
+from sem_jax.sampling import RolloutConfig, Sampler, SamplingConfig, build_stop_automaton
 
 def results_table(results: dict[str, dict[str, dict[str, float]]], datasets: Sequence[str]) -> str:
     """Markdown: one row per mode, EM / F1 / SR (%) per data set, as the paper's tables."""

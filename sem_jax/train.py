@@ -28,7 +28,7 @@ from sem_jax.checkpoint import Checkpointer
 from sem_jax.builders import build_policy, build_retriever
 from sem_jax.data.questions import load_questions
 from sem_jax.distributed import initialize as initialize_distributed
-from sem_jax.eval_lib import aggregate, evaluate, score_trajectory
+from sem_jax.eval_lib import aggregate, run_mode, score_trajectory
 from sem_jax.metrics import MetricWriter
 from sem_jax.model import Qwen2Config
 from sem_jax.rl.advantages import group_advantages
@@ -128,7 +128,8 @@ def train(config: ConfigDict) -> dict[str, float]:
     def run_eval(step):
         greedy.set_params(params)
         with jax.set_mesh(mesh):
-            scores, _ = evaluate(greedy, tokenizer, retriever, eval_set, rcfg, config.data.prompts_per_step * g)
+            scores = aggregate(run_mode("policy", greedy, tokenizer, retriever, eval_set, rcfg,
+                                        config.data.prompts_per_step * g))
         writer.write(step, scores, prefix="eval", total=total)
         return scores
 
