@@ -1,6 +1,9 @@
 """Sampler throughput against Hugging Face `generate`, measured in one run.
 
     python scripts/bench_sampler.py [--out bench_sampler.json] [--repeats 3]
+    JAX_PLATFORMS=cuda python scripts/bench_sampler.py --shapes qwen2.5-1.5b --dtype bfloat16
+
+On a GPU backend both sides run on the GPU (torch on cuda).
 
 Same random-weight Qwen2 in both (sem_jax loads the checkpoint transformers wrote),
 same prompts, greedy and sampled, every row generating exactly the same number of
@@ -34,6 +37,11 @@ SHAPES = {
                                   num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
                                   tie_word_embeddings=True),
                          batch=8, prompt=32, new=32),
+    # GPU: one configs/gpu.py rollout batch (16 prompts x G=5), shorter responses.
+    "qwen2.5-1.5b": dict(cfg=dict(vocab_size=151936, hidden_size=1536, intermediate_size=8960,
+                                  num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
+                                  tie_word_embeddings=True),
+                         batch=80, prompt=128, new=256),
 }
 
 
@@ -79,7 +87,7 @@ def _timed(fn, repeats):
     return statistics.median(times)
 
 
-def bench_shape(name, spec, repeats, torch_threads):
+def bench_shape(name, spec, repeats, dtype, save_dir=None):
     import torch
     import transformers
 
@@ -90,10 +98,16 @@ def bench_shape(name, spec, repeats, torch_threads):
 
     cfg = transformers.Qwen2Config(rope_theta=1e6, max_position_embeddings=4096, **spec["cfg"])
     torch.manual_seed(0)
-    hf = transformers.Qwen2ForCausalLM(cfg).eval()
-    tmp = tempfile.mkdtemp()
+    hf = transformers.Qwen2ForCausalLM(cfg).to(getattr(torch, dtype)).eval()
+    tmp = save_dir or tempfile.mkdtemp()
     hf.save_pretrained(tmp)
-    model = from_pretrained(tmp)
+    model = from_pretrained(tmp, dtype=dtype, compute_dtype=dtype)
+    device = "cuda" if jax.default_backend() == "gpu" else "cpu"
+    hf = hf.to(device)
+
+    def sync():
+        if device == "cuda":
+            torch.cuda.synchronize()
     b, p, new = spec["batch"], spec["prompt"], spec["new"]
     prompts = np.random.RandomState(0).randint(0, cfg.vocab_size, (b, p))
     rows = {}
@@ -113,7 +127,7 @@ def bench_shape(name, spec, repeats, torch_threads):
         compile_s = time.perf_counter() - t0
         ours = _timed(run, repeats)
 
-        ids = torch.tensor(prompts)
+        ids = torch.tensor(prompts, device=device)
         gen_kw = dict(max_new_tokens=new, min_new_tokens=new, do_sample=mode == "sampled", use_cache=True,
                       pad_token_id=0, eos_token_id=None)
         if mode == "sampled":
@@ -122,6 +136,7 @@ def bench_shape(name, spec, repeats, torch_threads):
         def run_hf():
             with torch.no_grad():
                 out = hf.generate(ids, attention_mask=torch.ones_like(ids), **gen_kw)
+            sync()
             assert out.shape == (b, p + new)
 
         run_hf()  # warm-up
@@ -175,17 +190,20 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="bench_sampler.json")
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--shapes", default="tiny,qwen2.5-0.5b")
+    ap.add_argument("--shapes", default="tiny,qwen2.5-0.5b", help=f"comma-separated, of {sorted(SHAPES)}")
+    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="weights and compute, both sides")
+    ap.add_argument("--save-model", help="keep the (last shape's) random-weight HF checkpoint in this directory")
     args = ap.parse_args(argv)
     import torch
     torch.set_num_threads(os.cpu_count() or 1)
-    jax.config.update("jax_default_matmul_precision", "highest")  # f32 both sides
-    report = dict(machine=dict(platform=platform.platform(), cpus=os.cpu_count(),
+    jax.config.update("jax_default_matmul_precision", "highest")  # f32 both sides (no TF32 on GPUs)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    report = dict(machine=dict(platform=platform.platform(), cpus=os.cpu_count(), dtype=args.dtype,
                                jax=jax.__version__, torch=torch.__version__,
                                jax_devices=[str(d) for d in jax.devices()]),
                   results={})
     for name in args.shapes.split(","):
-        report["results"][name] = bench_shape(name, SHAPES[name], args.repeats, torch.get_num_threads())
+        report["results"][name] = bench_shape(name, SHAPES[name], args.repeats, args.dtype, args.save_model)
     with open(args.out, "w") as fh:
         json.dump(report, fh, indent=2)
     print(f"wrote {args.out}")
