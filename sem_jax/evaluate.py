@@ -23,6 +23,7 @@ from ml_collections import config_flags
 
 from sem_jax.data.example import Example
 from sem_jax.eval_lib import aggregate, run_mode
+from sem_jax.sem.template import SYSTEM_PROMPT
 from sem_jax.sampling import RolloutConfig, Sampler, SamplingConfig, build_stop_automaton
 
 def results_table(results: dict[str, dict[str, dict[str, float]]], datasets: Sequence[str]) -> str:
@@ -41,12 +42,13 @@ def results_table(results: dict[str, dict[str, dict[str, float]]], datasets: Seq
 
 
 def evaluate_modes(sampler, tokenizer, retriever, data: dict[str, list[Example]], modes: Sequence[str],
-                   cfg: RolloutConfig, batch_size: int, out_dir: str | None = None) -> dict:
+                   cfg: RolloutConfig, batch_size: int, out_dir: str | None = None,
+                   system_prompt: str = SYSTEM_PROMPT) -> dict:
     results: dict[str, dict[str, dict[str, float]]] = {}
     for mode in modes:
         results[mode] = {}
         for name, examples in data.items():
-            records = run_mode(mode, sampler, tokenizer, retriever, examples, cfg, batch_size)
+            records = run_mode(mode, sampler, tokenizer, retriever, examples, cfg, batch_size, system_prompt)
             results[mode][name] = aggregate(records)
             if out_dir:
                 with open(os.path.join(out_dir, f"predictions_{mode}_{name}.jsonl"), "w") as fh:
@@ -132,7 +134,8 @@ def main(argv):
     os.makedirs(out, exist_ok=True)
     modes = [m.strip() for m in FLAGS.modes.split(",") if m.strip()]
     results = evaluate_modes(sampler, tokenizer, build_retriever(config), data, modes, cfg,
-                             batch_size=config.data.prompts_per_step * config.rollout.group_size, out_dir=out)
+                             batch_size=config.data.prompts_per_step * config.rollout.group_size, out_dir=out,
+                             system_prompt=config.system_prompt)
     print(results_table(results, list(data)))
     print(f"wrote {out}/results.md, results.json and per-question predictions")
 

@@ -6,6 +6,8 @@ are in the context but get no loss, exactly as in GRPO.
 
 from __future__ import annotations
 
+import os
+import time
 from collections.abc import Sequence
 
 import jax
@@ -22,52 +24,130 @@ from sem_jax.sampling.sampler import bucket_length
 Pair = tuple[list[int], list[tuple[list[int], bool]]]
 
 
-def pack(pairs: Sequence[Pair], pad_id: int = 0) -> dict[str, np.ndarray]:
-    """Next-token aligned arrays with the loss mask on trained response segments."""
-    seqs, masks = [], []
-    for prompt, segments in pairs:
+def pack(pairs: Sequence[Pair], width: int, pad_id: int = 0) -> dict[str, np.ndarray]:
+    """Pairs packed first-fit, in order, into rows of `width` next-token slots: inputs,
+    targets, loss mask (trained response segments) and segment ids (1, 2, ... per pair in a
+    row; 0 is padding), so that no pair sees another (`Qwen2.hidden_states(segment_ids=)`)."""
+    rows: list[list[tuple[list[int], list[int]]]] = [[]]
+    used = 0
+    for n, (prompt, segments) in enumerate(pairs):
         ids, mask = list(prompt), [0] * len(prompt)
         for seg, trained in segments:
             ids += seg
             mask += [int(trained)] * len(seg)
-        seqs.append(ids)
-        masks.append(mask)
-    width = bucket_length(max(len(s) for s in seqs) - 1, minimum=16)
-    out = {"inputs": np.full((len(seqs), width), pad_id, np.int32),
-           "targets": np.full((len(seqs), width), pad_id, np.int32),
-           "mask": np.zeros((len(seqs), width), np.float32)}
-    for i, (s, m) in enumerate(zip(seqs, masks)):
-        out["inputs"][i, :len(s) - 1] = s[:-1]
-        out["targets"][i, :len(s) - 1] = s[1:]
-        out["mask"][i, :len(s) - 1] = m[1:]
+        if len(ids) - 1 > width:
+            raise ValueError(f"pair {n}: {len(ids)} tokens do not fit a packed row of {width} + 1")
+        if used + len(ids) - 1 > width:
+            rows.append([])
+            used = 0
+        rows[-1].append((ids, mask))
+        used += len(ids) - 1
+    out = {"inputs": np.full((len(rows), width), pad_id, np.int32),
+           "targets": np.full((len(rows), width), pad_id, np.int32),
+           "mask": np.zeros((len(rows), width), np.float32),
+           "segment_ids": np.zeros((len(rows), width), np.int32)}
+    for r, row in enumerate(rows):
+        at = 0
+        for k, (ids, mask) in enumerate(row, start=1):
+            n = len(ids) - 1
+            out["inputs"][r, at:at + n] = ids[:-1]
+            out["targets"][r, at:at + n] = ids[1:]
+            out["mask"][r, at:at + n] = mask[1:]
+            out["segment_ids"][r, at:at + n] = k
+            at += n
     return out
 
 
+def packed_batches(pairs: Sequence[Pair], steps: int, rows: int, width: int, seed: int,
+                   pad_id: int = 0):
+    """`steps` packed batches of exactly `rows` rows, walking seeded permutations of `pairs`
+    (each epoch in a new order; a batch takes pairs until its rows are full)."""
+    rng = np.random.RandomState(seed)
+    slots = [len(p) + sum(len(s) for s, _ in segs) - 1 for p, segs in pairs]
+    order: list[int] = []
+    for _ in range(steps):
+        taken: list[int] = []
+        row, used = 1, 0
+        while True:
+            if not order:
+                order = list(rng.permutation(len(pairs)))
+            n = slots[order[0]]
+            if used + n > width:
+                row, used = row + 1, 0
+            if row > rows:
+                break
+            used += n
+            taken.append(order.pop(0))
+        batch = pack([pairs[i] for i in taken], width, pad_id)
+        pad = rows - len(batch["inputs"])
+        yield {k: np.pad(v, ((0, pad), (0, 0)), constant_values=pad_id if k in ("inputs", "targets") else 0)
+               for k, v in batch.items()}
+
+
 def supervised_finetune(model: Qwen2, pairs: Sequence[Pair], *, steps: int, lr: float = 3e-3,
-                        batch_size: int = 16, seed: int = 0, pad_id: int = 0,
+                        rows: int = 12, width: int | None = None, seed: int = 0, pad_id: int = 0,
                         log_every: int = 0) -> list[float]:
-    """Train `model` in place with AdamW on `pairs`; returns the loss per step."""
+    """Train `model` in place with AdamW (warmup, cosine decay) on `pairs`, packed into
+    `rows` x `width` token batches (width: the longest pair, bucketed, at least 256);
+    returns the loss per step."""
     graphdef, params = nnx.split(model)
     tx = optax.adamw(optax.warmup_cosine_decay_schedule(0.0, lr, max(1, steps // 10), steps), weight_decay=0.0)
     opt_state = tx.init(params)
-    data = pack(pairs, pad_id)
+    longest = max(len(p) + sum(len(s) for s, _ in segs) for p, segs in pairs)
+    width = width or max(256, bucket_length(longest - 1, minimum=16))
 
     @jax.jit
     def step(params, opt_state, batch):
         def loss_fn(p):
-            lp, _ = token_logprobs(nnx.merge(graphdef, p), batch["inputs"], batch["targets"], chunk=16)
+            lp, _ = token_logprobs(nnx.merge(graphdef, p), batch["inputs"], batch["targets"], chunk=128,
+                                   segment_ids=batch["segment_ids"])
             return -jnp.sum(lp * batch["mask"]) / jnp.maximum(batch["mask"].sum(), 1.0)
         loss, grads = jax.value_and_grad(loss_fn)(params)
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss
 
-    rng = np.random.RandomState(seed)
     losses = []
-    for i in range(steps):
-        idx = rng.choice(len(pairs), size=min(batch_size, len(pairs)), replace=False)
-        params, opt_state, loss = step(params, opt_state, {k: v[idx] for k, v in data.items()})
+    t0 = time.perf_counter()
+    for i, batch in enumerate(packed_batches(pairs, steps, rows, width, seed, pad_id)):
+        params, opt_state, loss = step(params, opt_state, batch)
         losses.append(float(loss))
-        if log_every and (i + 1) % log_every == 0:
-            print(f"[sft {i + 1}/{steps}] loss={losses[-1]:.4f}", flush=True)
+        if log_every and ((i + 1) % log_every == 0 or i + 1 == steps):
+            print(f"[warm start {i + 1}/{steps}] loss={np.mean(losses[-log_every:]):.4f} "
+                  f"({time.perf_counter() - t0:.0f}s)", flush=True)
     nnx.update(model, params)
     return losses
+
+
+# -- the demo's warm start: a stage of `python -m sem_jax.train` -----------------------------
+
+def world_config(config) -> "WorldConfig":
+    """The synthetic world of a training config (its seed is the run's seed)."""
+    from sem_jax.data.synthetic import WorldConfig
+    fields = {k: v for k, v in config.world.to_dict().items() if k != "enabled"}
+    return WorldConfig(seed=config.seed, **fields)
+
+
+def warm_start(config, model: Qwen2, tokenizer, retriever, world, run_dir: str) -> Qwen2:
+    """Teach `model` the answer-first format on the world's templated traces, once per run:
+    saved as an HF directory in run_dir/warm_start and loaded from there on resume."""
+    from sem_jax.data.synthetic import warm_start_pairs
+    from sem_jax.model import from_pretrained, save_pretrained
+
+    out = os.path.join(run_dir, "warm_start")
+    if os.path.exists(os.path.join(out, "config.json")):
+        print(f"warm start: loading {out}", flush=True)
+        return from_pretrained(out, dtype=model.param_dtype, compute_dtype=model.dtype, remat=model.remat)
+    w = config.warm_start
+    pairs = warm_start_pairs(world, tokenizer, retriever, top_k=config.retrieval.top_k,
+                             max_tokens_per_passage=config.retrieval.max_tokens_per_passage,
+                             system_prompt=config.system_prompt, search_prob=(w.search_prob_a, w.search_prob_b),
+                             copies=(w.known_copies, w.lookup_copies), seed=config.seed)
+    searching = sum(len(segs) > 1 for _, segs in pairs) / len(pairs)
+    print(f"warm start: {len(pairs)} traces ({100 * searching:.0f}% search), {w.steps} steps", flush=True)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    supervised_finetune(model, pairs, steps=w.steps, lr=w.lr, rows=w.rows, seed=config.seed, pad_id=pad,
+                        log_every=max(1, w.steps // 10))
+    if jax.process_index() == 0:
+        save_pretrained(model, out)
+        tokenizer.save_pretrained(out)
+    return model

@@ -27,6 +27,9 @@ from ml_collections import ConfigDict, config_flags
 from sem_jax.checkpoint import Checkpointer
 from sem_jax.builders import build_policy, build_retriever
 from sem_jax.data.questions import load_questions
+from sem_jax.data.synthetic import build_world, summarize
+from sem_jax.data.synthetic import texts as synthetic_texts
+from sem_jax.sft import warm_start, world_config
 from sem_jax.distributed import initialize as initialize_distributed
 from sem_jax.eval_lib import aggregate, run_mode, score_trajectory
 from sem_jax.metrics import MetricWriter
@@ -38,7 +41,7 @@ from sem_jax.rl.trainer import GRPOTrainer, OptimConfig
 from sem_jax.sampling import RolloutConfig, Sampler, SamplingConfig, build_stop_automaton, rollout
 from sem_jax.sem.parse import parse_response
 from sem_jax.sem.reward import CASES, RewardParams, get_reward
-from sem_jax.sem.template import SYSTEM_PROMPT, encode_prompt
+from sem_jax.sem.template import encode_prompt
 from sem_jax.sharding import batch_sharding, make_mesh, shard_params
 
 log = logging.getLogger("sem_jax.train")
@@ -75,6 +78,13 @@ def train(config: ConfigDict) -> dict[str, float]:
                                   "run one process (all local devices are used)")
     run_dir = os.path.abspath(config.run_dir)
     os.makedirs(run_dir, exist_ok=True)
+    world = None
+    if config.world.enabled:  # the CPU demo: generate (deterministically) and use the synthetic world
+        world = build_world(world_config(config))
+        paths = world.write(os.path.join(run_dir, "world"))
+        config.data.train_file, config.data.eval_file = paths["train"], paths["eval"]
+        config.retrieval.corpus, config.retrieval.index_dir = paths["corpus"], None
+        print(summarize(world), flush=True)
     if jax.process_index() == 0:
         with open(os.path.join(run_dir, "config.json"), "w") as fh:
             fh.write(config.to_json_best_effort(indent=2))
@@ -84,9 +94,17 @@ def train(config: ConfigDict) -> dict[str, float]:
     eval_set = load_questions(config.data.eval_file)[:config.data.eval_questions]
     retriever = build_retriever(config)
     # Text for the demo's own BPE; only read when no pretrained model is given.
-    texts = lambda: [SYSTEM_PROMPT] + [e.question + " " + " ".join(e.answers) for e in train_set + eval_set] + \
-        [f"{d['title']} {d['text']}" for d in retriever.passages()]
+    if world is not None:
+        texts = lambda: synthetic_texts(world) + [config.system_prompt] * 50
+    else:
+        texts = lambda: [config.system_prompt] + [e.question + " " + " ".join(e.answers)
+                                                  for e in train_set + eval_set] + \
+            [f"{d['title']} {d['text']}" for d in retriever.passages()]
     model, tokenizer = build_policy(config, texts, run_dir)
+    if config.warm_start.steps and not config.model.path:
+        if world is None:
+            raise ValueError("warm_start.steps > 0 needs the synthetic world (world.enabled=True) for its traces")
+        model = warm_start(config, model, tokenizer, retriever, world, run_dir)
 
     rp = RewardParams(**config.reward_params.to_dict())
     reward_fn = get_reward(config.reward)
@@ -129,14 +147,16 @@ def train(config: ConfigDict) -> dict[str, float]:
         greedy.set_params(params)
         with jax.set_mesh(mesh):
             scores = aggregate(run_mode("policy", greedy, tokenizer, retriever, eval_set, rcfg,
-                                        config.data.prompts_per_step * g))
+                                        config.data.prompts_per_step * g, config.system_prompt))
         writer.write(step, scores, prefix="eval", total=total)
         return scores
 
+    if config.train.eval_at_start and start == 0:
+        run_eval(0)
     for step in range(start, total):
         t_step = time.perf_counter()
         examples = batch_at(train_set, step, config.data.prompts_per_step, config.seed)
-        prompts = [encode_prompt(tokenizer, e) for e in examples]
+        prompts = [encode_prompt(tokenizer, e, config.system_prompt) for e in examples]
         sampler.set_params(params)
         with jax.set_mesh(mesh):
             t0 = time.perf_counter()

@@ -179,6 +179,7 @@ def test_export_and_evaluate_cli_on_a_trained_checkpoint(tmp_path):
     run = tmp_path / "run"
     env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")
     proc = subprocess.run([sys.executable, "-m", "sem_jax.train", f"--config.run_dir={run}",
+                           "--config.world.enabled=False", "--config.warm_start.steps=0",
                            "--config.train.total_steps=1", "--config.data.eval_questions=2",
                            "--config.rollout.max_new_tokens=16"],
                           capture_output=True, text=True, timeout=600, cwd=REPO, env=env)

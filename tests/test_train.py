@@ -14,26 +14,28 @@ from flax import nnx
 from sem_jax.data.questions import DEMO_DIR, load_questions
 from sem_jax.model import Qwen2, Qwen2Config, save_pretrained
 from sem_jax.model.tokenizer import train_bpe_tokenizer
-from sem_jax.sem.template import SYSTEM_PROMPT, encode_prompt
+from sem_jax.config import demo_config
+from sem_jax.sem.template import encode_prompt
 from sem_jax.sft import supervised_finetune
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DEMO_PROMPT = demo_config().system_prompt
 
 
 @pytest.fixture(scope="module")
 def warm_model(tmp_path_factory):
     """A tiny Qwen2 taught the direct-answer format, so GRPO sees varied rewards."""
     train = load_questions(os.path.join(DEMO_DIR, "train.jsonl"))
-    texts = [SYSTEM_PROMPT] + [e.question + " " + e.answers[0] for e in train]
+    texts = [DEMO_PROMPT] + [e.question + " " + e.answers[0] for e in train]
     tok = train_bpe_tokenizer(texts, 400)
     cfg = Qwen2Config(vocab_size=-(-len(tok) // 64) * 64, hidden_size=64, intermediate_size=128, num_layers=2,
                       num_heads=4, num_kv_heads=2, tie_word_embeddings=True, bos_token_id=None,
                       eos_token_id=tok.eos_token_id)
     model = Qwen2(cfg, rngs=nnx.Rngs(0))
     enc = lambda s: tok.encode(s, add_special_tokens=False)
-    pairs = [(encode_prompt(tok, e), [(enc(f"<think>Easy.</think><answer>{e.answers[0]}</answer>")
+    pairs = [(encode_prompt(tok, e, DEMO_PROMPT), [(enc(f"<think>Easy.</think><answer>{e.answers[0]}</answer>")
                                        + [tok.eos_token_id], True)]) for e in train]
-    losses = supervised_finetune(model, pairs, steps=60, lr=1e-2, batch_size=16)
+    losses = supervised_finetune(model, pairs, steps=60, lr=1e-2, rows=4)
     assert losses[-1] < losses[0] / 3
     path = tmp_path_factory.mktemp("warm")
     save_pretrained(model, str(path))
@@ -45,7 +47,8 @@ def _train(run_dir, model_dir, *extra, check=True):
     cmd = [sys.executable, "-m", "sem_jax.train", "--config", os.path.join(REPO, "configs", "demo_cpu.py"),
            f"--config.run_dir={run_dir}", f"--config.model.path={model_dir}", "--config.train.total_steps=3",
            "--config.train.ckpt_every=1", "--config.rl.beta=0.04", "--config.optim.lr=0.003",
-           "--config.data.eval_questions=4", "--config.rollout.max_new_tokens=48", *extra]
+           "--config.data.eval_questions=4", "--config.rollout.max_new_tokens=48", "--config.world.enabled=False",
+           "--config.data.prompts_per_step=4", "--config.rollout.group_size=4", "--config.rl.micro_batch=4", *extra]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=REPO,
                           env=dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=""))
     if check:

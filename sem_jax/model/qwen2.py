@@ -216,14 +216,23 @@ class Qwen2(nnx.Module):
                        lengths=jnp.zeros((batch,), jnp.int32))
 
     def hidden_states(self, tokens: jax.Array, *, attention_mask: jax.Array | None = None,
-                      cache: KVCache | None = None,
+                      segment_ids: jax.Array | None = None, cache: KVCache | None = None,
                       num_new: jax.Array | None = None) -> tuple[jax.Array, KVCache | None]:
-        """Final-normed hidden states [B, T, E], and the updated cache when one is given."""
+        """Final-normed hidden states [B, T, E], and the updated cache when one is given.
+
+        `segment_ids` [B, T] (no cache): several sequences packed in one row, each a run of
+        equal ids; a token sees only its own run, and positions restart at each run.
+        """
         c = self.config
         b, t = tokens.shape
         idx = jnp.arange(t, dtype=jnp.int32)
         causal = idx[None, :, None] >= idx[None, None, :]
-        if cache is None:
+        if cache is None and segment_ids is not None:
+            start = jnp.concatenate([jnp.ones((b, 1), bool), segment_ids[:, 1:] != segment_ids[:, :-1]], axis=1)
+            positions = idx[None, :] - jax.lax.cummax(jnp.where(start, idx[None, :], 0), axis=1)
+            mask = causal & (segment_ids[:, :, None] == segment_ids[:, None, :])
+            cache_mask = None
+        elif cache is None:
             if attention_mask is None:
                 positions = jnp.broadcast_to(idx, (b, t))
                 mask = jnp.broadcast_to(causal, (b, t, t))

@@ -25,14 +25,14 @@ class GRPOConfig:
             raise ValueError(f"loss_agg={self.loss_agg!r}; choose one of {LOSS_AGGREGATIONS}")
 
 
-def token_logprobs(model: Qwen2, inputs: jax.Array, targets: jax.Array,
-                   chunk: int = 128) -> tuple[jax.Array, jax.Array]:
+def token_logprobs(model: Qwen2, inputs: jax.Array, targets: jax.Array, chunk: int = 128,
+                   segment_ids: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """log p(target_t | inputs_<=t) and entropy, [B, T] float32, without ever holding [B, T, V].
 
     The LM head runs chunk by chunk of the sequence under `jax.checkpoint`, so the
     backward pass recomputes each chunk's logits instead of storing them.
     """
-    hidden, _ = model.hidden_states(inputs)
+    hidden, _ = model.hidden_states(inputs, segment_ids=segment_ids)
     w = model.lm_head_weight()
     b, t, e = hidden.shape
     chunk = min(chunk, t)
