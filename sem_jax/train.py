@@ -76,6 +76,7 @@ def train(config: ConfigDict) -> dict[str, float]:
         # (make_array_from_process_local_data) are not built yet.
         raise NotImplementedError(f"{jax.process_count()} processes: multi-host training is not supported yet; "
                                   "run one process (all local devices are used)")
+    get_reward(config.reward)  # fail fast on an unknown reward name
     run_dir = os.path.abspath(config.run_dir)
     os.makedirs(run_dir, exist_ok=True)
     world = None
@@ -88,7 +89,6 @@ def train(config: ConfigDict) -> dict[str, float]:
     if jax.process_index() == 0:
         with open(os.path.join(run_dir, "config.json"), "w") as fh:
             fh.write(config.to_json_best_effort(indent=2))
-    get_reward(config.reward)  # fail fast on an unknown reward name
     mesh = make_mesh(config.mesh.data, config.mesh.fsdp, config.mesh.tensor)
     train_set = load_questions(config.data.train_file)
     eval_set = load_questions(config.data.eval_file)[:config.data.eval_questions]
