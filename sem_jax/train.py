@@ -95,7 +95,7 @@ def train(config: ConfigDict) -> dict[str, float]:
     retriever = build_retriever(config)
     # Text for the demo's own BPE; only read when no pretrained model is given.
     if world is not None:
-        texts = lambda: synthetic_texts(world) + [config.system_prompt] * 50
+        texts = lambda: synthetic_texts(world) + [config.system_prompt] * 50  # repeated: its words merge
     else:
         texts = lambda: [config.system_prompt] + [e.question + " " + " ".join(e.answers)
                                                   for e in train_set + eval_set] + \
