@@ -120,13 +120,6 @@ def supervised_finetune(model: Qwen2, pairs: Sequence[Pair], *, steps: int, lr: 
 
 # -- the demo's warm start: a stage of `python -m sem_jax.train` -----------------------------
 
-def world_config(config) -> "WorldConfig":
-    """The synthetic world of a training config (its seed is the run's seed)."""
-    from sem_jax.data.synthetic import WorldConfig
-    fields = {k: v for k, v in config.world.to_dict().items() if k != "enabled"}
-    return WorldConfig(seed=config.seed, **fields)
-
-
 def warm_start(config, model: Qwen2, tokenizer, retriever, world, run_dir: str) -> Qwen2:
     """Teach `model` the answer-first format on the world's templated traces, once per run:
     saved as an HF directory in run_dir/warm_start and loaded from there on resume."""

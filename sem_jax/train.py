@@ -27,9 +27,9 @@ from ml_collections import ConfigDict, config_flags
 from sem_jax.checkpoint import Checkpointer
 from sem_jax.builders import build_policy, build_retriever
 from sem_jax.data.questions import load_questions
-from sem_jax.data.synthetic import build_world, summarize
+from sem_jax.data.synthetic import build_world, summarize, world_config
 from sem_jax.data.synthetic import texts as synthetic_texts
-from sem_jax.sft import warm_start, world_config
+from sem_jax.sft import warm_start
 from sem_jax.distributed import initialize as initialize_distributed
 from sem_jax.eval_lib import aggregate, run_mode, score_trajectory
 from sem_jax.metrics import MetricWriter

@@ -28,15 +28,11 @@ def world():
     return build_world(SMALL)
 
 
-def _person(world, question):
-    return next(p for p in world.facts if "born" in world.facts[p] and p in question)
-
-
 def test_world_is_deterministic_split_and_answerable_only_from_the_corpus(world):
     again = build_world(SMALL)
     assert again.corpus == world.corpus and again.train == world.train and again.eval == world.eval
     assert build_world(WorldConfig(seed=4, rl_people=30, eval_people=10, warm_people=60)).corpus != world.corpus
-    people = lambda xs: {_person(world, e.question) for e in xs if e.source == "unknown"}
+    people = lambda xs: {world.subject[e.id] for e in xs if e.source == "unknown"}
     rl, ev, warm = people(world.train), people(world.eval), people(world.warm_unknown)
     assert rl and ev and warm and not (rl & ev) and not (rl & warm) and not (ev & warm)
     # Balanced RL mix; known eval facts are held out of RL (both phrasings asked).
@@ -49,7 +45,7 @@ def test_world_is_deterministic_split_and_answerable_only_from_the_corpus(world)
         if e.source == "known":
             assert e.answers[0] not in corpus_text or e.kind == "math"
             continue
-        p = _person(world, e.question)
+        p = world.subject[e.id]
         text = by_title[p]
         if e.id.startswith("founded"):  # two hops: the person's organisation, then its passage
             org = world.facts[p]["works"]
@@ -91,7 +87,7 @@ def test_warm_start_traces_are_rollout_shaped_and_correct(world):
                                              add_special_tokens=False)
             if ex.source == "unknown" and parsed.num_searches:
                 first_hit = parsed.searches[0][1]
-                assert f"(1) {_person(world, ex.question)}:" in first_hit  # rank 1 is the person
+                assert f"(1) {world.subject[ex.id]}:" in first_hit  # rank 1 is the person
     assert 0.65 < np.mean(searched["a"]) < 0.95 and 0.05 < np.mean(searched["b"]) < 0.35
 
 

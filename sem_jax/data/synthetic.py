@@ -70,6 +70,9 @@ class World:
     known: list[Example]        # every known question, both phrasings (taught by the warm start)
     warm_unknown: list[Example]  # the warm start's lookups (its own people)
     facts: dict[str, dict]      # person -> {"born", "works"}; organisation -> {"founded"}
+    subject: dict[str, str]     # unknown question id -> the person it asks about
+    cities: list[str]
+    orgs: list[str]
 
     def write(self, directory: str) -> dict[str, str]:
         """corpus.jsonl, train.jsonl, eval.jsonl in `directory`; returns their paths."""
@@ -130,11 +133,15 @@ def build_world(cfg: WorldConfig = WorldConfig()) -> World:
         return Example(id=f"{qid}-{'ab'[style]}", question=PHRASINGS[kind][style].format(**fmt), answers=(answer,),
                        source=source, needs_search=source == "unknown", kind=ex_kind)
 
+    subject: dict[str, str] = {}
+
     def about(i):  # one question per person: a random hop type and phrasing
         p = people[i]
         kind = ("born", "works", "founded")[rng.randint(3)]
         answer = facts[facts[p]["works"]]["founded"] if kind == "founded" else facts[p][kind]
-        return q(f"{kind}{i}", kind, answer, "unknown", rng.randint(2), {"p": p})
+        ex = q(f"{kind}{i}", kind, answer, "unknown", rng.randint(2), {"p": p})
+        subject[ex.id] = p
+        return ex
 
     n_rl, n_eval = cfg.rl_people, cfg.eval_people
     rl_unknown = [about(i) for i in range(n_rl)]
@@ -157,7 +164,13 @@ def build_world(cfg: WorldConfig = WorldConfig()) -> World:
     n = min(len(rl_unknown), len(rl_known))
     rl_unknown, rl_known = rl_unknown[:n], shuffle(rl_known)[:n]
     return World(corpus=corpus, train=shuffle(rl_unknown + rl_known), eval=shuffle(eval_unknown + eval_known),
-                 known=known, warm_unknown=warm_unknown, facts=facts)
+                 known=known, warm_unknown=warm_unknown, facts=facts, subject=subject, cities=cities, orgs=orgs)
+
+
+def world_config(config) -> WorldConfig:
+    """The synthetic world of a training config (`config.world`; its seed is the run's seed)."""
+    fields = {k: v for k, v in config.world.to_dict().items() if k != "enabled"}
+    return WorldConfig(seed=config.seed, **fields)
 
 
 def texts(world: World) -> list[str]:
@@ -172,14 +185,13 @@ def _query_chain(world: World, ex: Example) -> list[str]:
     """The search queries a perfect searcher writes for `ex` (known questions: the question)."""
     if ex.source == "known":
         return [ex.question.rstrip("?")]
-    person = _person(world, ex)
+    person = world.subject[ex.id]
     return [person, world.facts[person]["works"]] if _kind(ex) == "founded" else [person]
 
 
 def _guess(world: World, ex: Example, rng: np.random.RandomState) -> str:
     """A confident wrong-or-lucky first answer for an unknown question."""
-    field = "works" if _kind(ex) == "works" else "born"
-    pool = sorted({f[field] for f in world.facts.values() if field in f})
+    pool = sorted(world.orgs if _kind(ex) == "works" else world.cities)
     return pool[rng.randint(len(pool))]
 
 
@@ -189,9 +201,8 @@ def warm_start_pairs(world: World, tokenizer, retriever, *, top_k: int, max_toke
     """(prompt ids, [(segment ids, trained)]) pairs in the answer-first format: every known
     question (both phrasings) `copies[0]` times and every warm-start lookup `copies[1]` times
     (known facts need repetition to be memorised), each copy deciding afresh whether to
-    search (probability by phrasing). Result
-    blocks are real retriever output, tokenized apart from the sampled text exactly as the
-    rollout inserts them (trained=False)."""
+    search (probability by phrasing). Result blocks are real retriever output, tokenized apart
+    from the sampled text exactly as the rollout inserts them (trained=False)."""
     from sem_jax.retrieval import format_results
 
     rng = np.random.RandomState(seed)
@@ -223,16 +234,13 @@ def _kind(e: Example) -> str:
     return re.match("[a-z]+", e.id).group()
 
 
-def _person(world: World, e: Example) -> str:
-    return next(p for p in world.facts if "born" in world.facts[p] and p in e.question)
-
-
 def summarize(world: World) -> str:
     by = lambda xs, s: sum(e.source == s for e in xs)
-    return (f"world: {sum('born' in f for f in world.facts.values())} people, {len(world.corpus)} passages; "
+    return (f"world: {len(world.facts) - len(world.orgs)} people, {len(world.corpus)} passages; "
             f"RL train {len(world.train)} questions ({by(world.train, 'unknown')} unknown, "
             f"{by(world.train, 'known')} known), eval {len(world.eval)} ({by(world.eval, 'unknown')} unknown, "
             f"{by(world.eval, 'known')} known), {len(world.known)} known questions taught")
 
 
-__all__: Sequence[str] = ("WorldConfig", "World", "build_world", "texts", "warm_start_pairs", "summarize")
+__all__: Sequence[str] = ("WorldConfig", "World", "build_world", "world_config", "texts", "warm_start_pairs",
+                          "summarize")
