@@ -1,5 +1,6 @@
 """Qwen2.5-7B-Instruct (default) or -14B-Instruct (`configs/tpu_v4.py:14b`) on a Cloud TPU v4 pod,
-FSDP over every chip. Paths are placeholders: point them at your bucket or local disk.
+FSDP over every chip. Paths are placeholders: /mnt/sem_jax is a bucket every worker mounts
+(`tpu/pod.sh mount`), /mnt/disks a worker's own disk (model weights, the index).
 
     python -m sem_jax.train --config configs/tpu_v4.py
     python -m sem_jax.train --config configs/tpu_v4.py:14b
@@ -7,21 +8,21 @@ FSDP over every chip. Paths are placeholders: point them at your bucket or local
 
 from sem_jax.config import base_config, paper_recipe
 
-MODELS = {"7b": "gs://YOUR_BUCKET/models/Qwen2.5-7B-Instruct",
-          "14b": "gs://YOUR_BUCKET/models/Qwen2.5-14B-Instruct"}
+MODELS = {"7b": "/mnt/disks/models/Qwen2.5-7B-Instruct",
+          "14b": "/mnt/disks/models/Qwen2.5-14B-Instruct"}
 
 
 def get_config(size: str = "7b"):
     if size not in MODELS:
         raise ValueError(f"configs/tpu_v4.py:{size}: choose one of {sorted(MODELS)}")
     c = paper_recipe(base_config())
-    c.run_dir = f"gs://YOUR_BUCKET/runs/sem-{size}"  # shared by every host (checkpoints)
+    c.run_dir = f"/mnt/sem_jax/runs/sem-{size}"  # shared by every host: a bucket mounted by tpu/pod.sh mount
     c.model.path = MODELS[size]
     c.model.preset = f"qwen2.5-{size}"
     c.model.remat = "full"
     c.mesh.update(data=1, fsdp=-1, tensor=1)  # 7B has 4 KV heads: tensor parallelism <= 4
-    c.data.train_file = "gs://YOUR_BUCKET/data/sem_train.jsonl"
-    c.data.eval_file = "gs://YOUR_BUCKET/data/sem_eval.jsonl"
+    c.data.train_file = "/mnt/sem_jax/data/sem_train.jsonl"
+    c.data.eval_file = "/mnt/sem_jax/data/sem_eval.jsonl"
     c.data.prompts_per_step = 64
     c.retrieval.index_dir = "/mnt/disks/index"  # every host holds a copy (retrieval runs per host)
     # Checked with sem_jax.aot (tpu/README.md): 7B on v4:2x2x4 peaks at 14.9 of 16 GiB with 16 rows

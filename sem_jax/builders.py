@@ -9,6 +9,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import Mesh
 from ml_collections import ConfigDict
 
 from sem_jax.model import Qwen2, Qwen2Config, from_pretrained
@@ -25,14 +26,16 @@ def init_model_config(config: ConfigDict, tokenizer) -> Qwen2Config:
                        eos_token_id=tokenizer.eos_token_id)
 
 
-def build_policy(config: ConfigDict, texts: Callable[[], list[str]] | None, run_dir: str) -> tuple[Qwen2, Any]:
-    """The policy and its tokenizer: a local HF directory, or (no path) a random tiny model
-    with a small BPE trained on `texts()` (saved to run_dir/tokenizer, reused on resume)."""
+def build_policy(config: ConfigDict, texts: Callable[[], list[str]] | None, run_dir: str,
+                 mesh: Mesh | None = None) -> tuple[Qwen2, Any]:
+    """The policy and its tokenizer: a local HF directory (weights streamed straight into their
+    shardings on `mesh`), or (no path) a random tiny model with a small BPE trained on
+    `texts()` (saved to run_dir/tokenizer, reused on resume)."""
     m = config.model
     dtype, compute = jnp.dtype(m.dtype), jnp.dtype(m.compute_dtype)
     if m.path:
         tokenizer = load_tokenizer(m.tokenizer or m.path)
-        model = from_pretrained(m.path, dtype=dtype, compute_dtype=compute, remat=m.remat)
+        model = from_pretrained(m.path, dtype=dtype, compute_dtype=compute, remat=m.remat, mesh=mesh)
         return model, tokenizer
     tok_dir = os.path.join(run_dir, "tokenizer")
     if os.path.exists(os.path.join(tok_dir, "tokenizer.json")):  # resumed run: the same tokenizer

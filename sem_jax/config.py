@@ -88,6 +88,7 @@ def base_config() -> ConfigDict:
     c.train.eval_every = 0               # 0: evaluate only at the end
     c.train.ckpt_every = 5
     c.train.keep_checkpoints = 3
+    c.train.debug_hosts = False          # multi-process: check every step that all processes made the same device calls
     c.train.debug_kill_at_step = config_dict.placeholder(int)  # crash tests: SIGKILL after this step's checkpoint
 
     c.peak_flops = config_dict.placeholder(float)  # per-device peak FLOP/s, for MFU (None: not reported)

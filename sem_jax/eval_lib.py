@@ -25,6 +25,9 @@ def score_trajectory(t: Trajectory, ex: Example) -> dict:
             "response_tokens": int(len(t.response_ids)), "end_reason": t.end_reason, "response": t.text}
 
 
+RECORD_KEYS = ("source", "em", "f1", "searches", "response_tokens", "valid")  # what `aggregate` reads
+
+
 def aggregate(records: Sequence[dict]) -> dict[str, float]:
     """Means overall and per source: em, f1, search_ratio (share with >= 1 search), searches/question."""
     out: dict[str, float] = {}

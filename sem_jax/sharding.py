@@ -99,16 +99,28 @@ def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
     return jax.lax.with_sharding_constraint(x, logical_to_spec(names, x.shape, dict(mesh.shape)))
 
 
+def put(x, sharding: NamedSharding) -> jax.Array:
+    """`jax.device_put` that also works when `sharding` spans several processes: a value that
+    is the same on every process (a process-local array) gives each process its own shards
+    (no cross-process transfer or equality check)."""
+    if jax.process_count() == 1 or (isinstance(x, jax.Array) and not x.is_fully_addressable):
+        return jax.device_put(x, sharding)
+    if isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+        return jax.random.wrap_key_data(put(jax.random.key_data(x), sharding), impl=jax.random.key_impl(x))
+    value = np.asarray(x)
+    return jax.make_array_from_callback(value.shape, sharding, lambda index: value[index])
+
+
 def shard_params(state, mesh: Mesh):
     """Place every parameter (an nnx Variable with `axes` metadata) into its sharding."""
     from flax import nnx
 
-    def put(v):
+    def place(v):
         axes = v.get_metadata().get("axes")
         if axes is None:
             raise ValueError(f"parameter of shape {v.shape} has no logical `axes` metadata")
-        return v.replace(jax.device_put(v[...], named_sharding(mesh, axes, v.shape)))
-    return jax.tree.map(put, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+        return v.replace(put(v[...], named_sharding(mesh, axes, v.shape)))
+    return jax.tree.map(place, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
 def batch_sharding(mesh: Mesh, shape: Sequence[int]) -> NamedSharding:

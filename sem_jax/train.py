@@ -11,6 +11,7 @@ Restarting with the same run_dir resumes from the last complete checkpoint.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import signal
@@ -26,23 +27,25 @@ from ml_collections import ConfigDict, config_flags
 
 from sem_jax.checkpoint import Checkpointer
 from sem_jax.builders import build_policy, build_retriever
+from sem_jax.data.mix import process_share
 from sem_jax.data.questions import load_questions
 from sem_jax.data.synthetic import build_world, summarize, world_config
 from sem_jax.data.synthetic import texts as synthetic_texts
 from sem_jax.sft import warm_start
 from sem_jax.distributed import initialize as initialize_distributed
-from sem_jax.eval_lib import aggregate, run_mode, score_trajectory
+from sem_jax.eval_lib import RECORD_KEYS, aggregate, run_mode, score_trajectory
+from sem_jax.hosts import CallLog, agree_max, check_shared_dir, gather_json, local_batch_multiple, to_global
 from sem_jax.metrics import MetricWriter
 from sem_jax.model import Qwen2Config
 from sem_jax.rl.advantages import group_advantages
-from sem_jax.rl.batch import build_batch
+from sem_jax.rl.batch import batch_width, build_batch
 from sem_jax.rl.loss import GRPOConfig
 from sem_jax.rl.trainer import GRPOTrainer, OptimConfig
 from sem_jax.sampling import RolloutConfig, Sampler, SamplingConfig, build_stop_automaton, rollout
 from sem_jax.sem.parse import parse_response
 from sem_jax.sem.reward import CASES, RewardParams, get_reward
 from sem_jax.sem.template import encode_prompt
-from sem_jax.sharding import batch_sharding, make_mesh, shard_params
+from sem_jax.sharding import make_mesh, shard_params
 
 log = logging.getLogger("sem_jax.train")
 DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs",
@@ -71,14 +74,16 @@ def step_flops(model_cfg: Qwen2Config, rollout_tokens: int, train_tokens: int, r
 
 def train(config: ConfigDict) -> dict[str, float]:
     """Run (or resume) training as configured; returns the last step's metrics."""
-    if jax.process_count() > 1:
-        # Refuse rather than train wrongly: per-host rollouts feeding global arrays
-        # (make_array_from_process_local_data) are not built yet.
-        raise NotImplementedError(f"{jax.process_count()} processes: multi-host training is not supported yet; "
-                                  "run one process (all local devices are used)")
     get_reward(config.reward)  # fail fast on an unknown reward name
+    pid, nproc = jax.process_index(), jax.process_count()
+    # Each process rolls out its own share of every step's questions (hosts.py).
+    if config.data.prompts_per_step % nproc:
+        raise ValueError(f"data.prompts_per_step={config.data.prompts_per_step} must divide by the "
+                         f"{nproc} processes")
+    per_host = config.data.prompts_per_step // nproc
     run_dir = os.path.abspath(config.run_dir)
     os.makedirs(run_dir, exist_ok=True)
+    check_shared_dir(run_dir)
     world = None
     if config.world.enabled:  # the CPU demo: generate (deterministically) and use the synthetic world
         world = build_world(world_config(config))
@@ -91,16 +96,19 @@ def train(config: ConfigDict) -> dict[str, float]:
             fh.write(config.to_json_best_effort(indent=2))
     mesh = make_mesh(config.mesh.data, config.mesh.fsdp, config.mesh.tensor)
     train_set = load_questions(config.data.train_file)
-    eval_set = load_questions(config.data.eval_file)[:config.data.eval_questions]
+    eval_all = load_questions(config.data.eval_file)[:config.data.eval_questions]
+    eval_set = process_share(eval_all, pid, nproc)  # each process evaluates its share
+    if not eval_set:
+        raise ValueError(f"{nproc} processes need at least as many eval questions (data.eval_questions)")
     retriever = build_retriever(config)
     # Text for the demo's own BPE; only read when no pretrained model is given.
     if world is not None:
         texts = lambda: synthetic_texts(world) + [config.system_prompt] * 50  # repeated: its words merge
     else:
         texts = lambda: [config.system_prompt] + [e.question + " " + " ".join(e.answers)
-                                                  for e in train_set + eval_set] + \
+                                                  for e in train_set + eval_all] + \
             [f"{d['title']} {d['text']}" for d in retriever.passages()]
-    model, tokenizer = build_policy(config, texts, run_dir)
+    model, tokenizer = build_policy(config, texts, run_dir, mesh)
     if config.warm_start.steps and not config.model.path:
         if world is None:
             raise ValueError("warm_start.steps > 0 needs the synthetic world (world.enabled=True) for its traces")
@@ -114,6 +122,11 @@ def train(config: ConfigDict) -> dict[str, float]:
     g = config.rollout.group_size
     rows = config.data.prompts_per_step * g
     micro = min(config.rl.micro_batch, rows)
+    if micro % nproc:
+        raise ValueError(f"rl.micro_batch={micro} must divide by the {nproc} processes")
+    # Each process pads its rows so that the global batch splits into micro-batches and
+    # over the batch shards: a multiple of both shares.
+    row_multiple = int(np.lcm(micro // nproc, local_batch_multiple(mesh)))
     trainer = GRPOTrainer(model, grpo, optim, micro_batch=micro, logprob_chunk=config.rl.logprob_chunk)
 
     with jax.set_mesh(mesh):
@@ -133,9 +146,12 @@ def train(config: ConfigDict) -> dict[str, float]:
                         if isinstance(i, int) and i >= 0}))
     stop = build_stop_automaton(tokenizer, vocab_size=model.config.vocab_size)
     r = config.rollout
+    calls = CallLog(config.train.debug_hosts)
     sampler = Sampler(model, stop, SamplingConfig(max_new_tokens=r.max_new_tokens, temperature=r.temperature,
-                                                  top_p=r.top_p, top_k=r.top_k, eos_ids=eos))
-    greedy = Sampler(model, stop, SamplingConfig(max_new_tokens=r.max_new_tokens, greedy=True, eos_ids=eos))
+                                                  top_p=r.top_p, top_k=r.top_k, eos_ids=eos), mesh=mesh,
+                      calls=calls)
+    greedy = Sampler(model, stop, SamplingConfig(max_new_tokens=r.max_new_tokens, greedy=True, eos_ids=eos),
+                     mesh=mesh, calls=calls)
     rcfg = RolloutConfig(group_size=g, max_searches=r.max_searches, top_k=config.retrieval.top_k,
                          max_tokens_per_passage=config.retrieval.max_tokens_per_passage)
     writer = MetricWriter(run_dir)
@@ -145,9 +161,14 @@ def train(config: ConfigDict) -> dict[str, float]:
 
     def run_eval(step):
         greedy.set_params(params)
+        # Every process evaluates its share, padded to the same count (same device calls).
+        n = agree_max(len(eval_set))
+        padded = eval_set + [eval_set[-1]] * (n - len(eval_set))
         with jax.set_mesh(mesh):
-            scores = aggregate(run_mode("policy", greedy, tokenizer, retriever, eval_set, rcfg,
-                                        config.data.prompts_per_step * g, config.system_prompt))
+            records = run_mode("policy", greedy, tokenizer, retriever, padded, rcfg, per_host * g,
+                               config.system_prompt)[:len(eval_set)]
+        scores = aggregate(sum(gather_json([{k: r[k] for k in RECORD_KEYS} for r in records]), []))
+        calls.check(f"eval at step {step}")
         writer.write(step, scores, prefix="eval", total=total)
         return scores
 
@@ -155,7 +176,12 @@ def train(config: ConfigDict) -> dict[str, float]:
         run_eval(0)
     for step in range(start, total):
         t_step = time.perf_counter()
+        # The step's global batch is the same for any number of processes; each rolls out its slice.
         examples = batch_at(train_set, step, config.data.prompts_per_step, config.seed)
+        examples = examples[pid * per_host:(pid + 1) * per_host]
+        if config.train.debug_hosts:
+            with open(os.path.join(run_dir, f"questions.process{pid}.jsonl"), "a") as fh:
+                fh.write(json.dumps({"step": step + 1, "ids": [e.id for e in examples]}) + "\n")
         prompts = [encode_prompt(tokenizer, e, config.system_prompt) for e in examples]
         sampler.set_params(params)
         with jax.set_mesh(mesh):
@@ -172,8 +198,10 @@ def train(config: ConfigDict) -> dict[str, float]:
                 records.append(score_trajectory(t, ex))
             adv = group_advantages(np.array(rewards), g, eps=config.rl.adv_eps,
                                    scale_by_std=config.rl.scale_adv_by_std)
-            host = build_batch(trajs, adv, micro_batch=micro, pad_id=pad_id)
-            batch = {k: jax.device_put(v, batch_sharding(mesh, v.shape)) for k, v in host.items()}
+            width = agree_max(batch_width(trajs))
+            host = build_batch(trajs, adv, micro_batch=row_multiple, pad_id=pad_id, width=width)
+            batch = {k: to_global(v, mesh) for k, v in host.items()}
+            calls.record("update", batch)
             t0 = time.perf_counter()
             ref_lp = trainer.reference_logprobs(ref_params, batch)
             if ref_lp is not None:
@@ -184,9 +212,16 @@ def train(config: ConfigDict) -> dict[str, float]:
             m = jax.device_get(m)
             t_update = time.perf_counter() - t0
         skipped_total += int(m["skipped"])
+        calls.check(f"step {step + 1}")
+        # Metrics over every process's trajectories.
+        shares = gather_json({"rewards": rewards, "cases": cases, "adv": np.abs(adv).tolist(),
+                              "records": [{k: r[k] for k in RECORD_KEYS} for r in records],
+                              "sampled": int(sum(t.loss_mask.sum() for t in trajs)),
+                              "train_tokens": int((host["inputs"] != pad_id).sum())})
+        rewards, cases, records = (sum((x[k] for x in shares), []) for k in ("rewards", "cases", "records"))
+        adv = np.array(sum((x["adv"] for x in shares), []))
+        sampled, train_tokens = (sum(x[k] for x in shares) for k in ("sampled", "train_tokens"))
         dt = time.perf_counter() - t_step
-        sampled = int(sum(t.loss_mask.sum() for t in trajs))
-        train_tokens = int((host["inputs"] != pad_id).sum())
         metrics = {"reward/mean": float(np.mean(rewards)), "reward/std": float(np.std(rewards)),
                    **{f"reward/case_{c}": cases.count(c) / len(cases) for c in CASES if c in cases},
                    "loss": float(m["loss"]), "kl": float(m["kl"]), "entropy": float(m["entropy"]),

@@ -63,5 +63,8 @@ def test_tpu_pod_script_dry_run():
     assert "--worker=all" in stop and "libtpu_lockfile" in stop and "pkill" in stop
     assert "--worker=2" in _pod("logs", "2").stdout
     assert _pod("delete").stdout.split()[:5] == ["gcloud", "compute", "tpus", "queued-resources", "delete"]
+    mount = _pod("mount", BUCKET="my-runs", MOUNT="/mnt/r").stdout
+    assert "--worker=all" in mount and "gcsfuse\\ --implicit-dirs\\ my-runs\\ /mnt/r" in mount
+    assert _pod("mount").returncode == 2  # no BUCKET
     assert _pod("launch").returncode == 2
     assert _pod("nonsense").returncode == 2

@@ -2,17 +2,18 @@
 
 import json
 import os
+import socket
 import subprocess
 import sys
 
 import jax
 import numpy as np
-import orbax.checkpoint as ocp
 import pytest
 from flax import nnx
 
 from sem_jax.data.questions import DEMO_DIR, load_questions
-from sem_jax.model import Qwen2, Qwen2Config, save_pretrained
+from sem_jax.checkpoint import Checkpointer
+from sem_jax.model import Qwen2, Qwen2Config, from_pretrained, save_pretrained
 from sem_jax.model.tokenizer import train_bpe_tokenizer
 from sem_jax.config import demo_config
 from sem_jax.sem.template import encode_prompt
@@ -43,23 +44,33 @@ def warm_model(tmp_path_factory):
     return path
 
 
+def _cmd(run_dir, model_dir, *extra):
+    return [sys.executable, "-m", "sem_jax.train", "--config", os.path.join(REPO, "configs", "demo_cpu.py"),
+            f"--config.run_dir={run_dir}", f"--config.model.path={model_dir}", "--config.train.total_steps=3",
+            "--config.train.ckpt_every=1", "--config.rl.beta=0.04", "--config.optim.lr=0.003",
+            "--config.data.eval_questions=4", "--config.rollout.max_new_tokens=48", "--config.world.enabled=False",
+            "--config.data.prompts_per_step=4", "--config.rollout.group_size=4", "--config.rl.micro_batch=4", *extra]
+
+
+def _env(devices=1):
+    return dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
+
+
 def _train(run_dir, model_dir, *extra, check=True):
-    cmd = [sys.executable, "-m", "sem_jax.train", "--config", os.path.join(REPO, "configs", "demo_cpu.py"),
-           f"--config.run_dir={run_dir}", f"--config.model.path={model_dir}", "--config.train.total_steps=3",
-           "--config.train.ckpt_every=1", "--config.rl.beta=0.04", "--config.optim.lr=0.003",
-           "--config.data.eval_questions=4", "--config.rollout.max_new_tokens=48", "--config.world.enabled=False",
-           "--config.data.prompts_per_step=4", "--config.rollout.group_size=4", "--config.rl.micro_batch=4", *extra]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=REPO,
-                          env=dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=""))
+    proc = subprocess.run(_cmd(run_dir, model_dir, *extra), capture_output=True, text=True, timeout=600, cwd=REPO,
+                          env=_env())
     if check:
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc
 
 
-def _params(run_dir, step):
-    mgr = ocp.CheckpointManager(os.path.join(run_dir, "ckpt"), item_names=("params",))
-    tree = mgr.restore(step, args=ocp.args.Composite(params=ocp.args.StandardRestore())).params
-    return jax.tree.map(np.asarray, tree)
+def _params(run_dir, step, model_dir):
+    """Parameters of a checkpoint, whatever devices and processes saved it, as numpy (the
+    tree of `model_dir`'s model gives the structure; one device here)."""
+    _, like = nnx.split(from_pretrained(str(model_dir)))
+    params, got = Checkpointer(os.path.join(run_dir, "ckpt")).restore_params(step, like)
+    assert got == step
+    return [np.asarray(x) for x in jax.tree.leaves(params)]
 
 
 def test_three_steps_then_kill_and_resume_exactly(warm_model, tmp_path):
@@ -81,10 +92,50 @@ def test_three_steps_then_kill_and_resume_exactly(warm_model, tmp_path):
     assert sorted(os.listdir(b / "ckpt")) == ["1", "2"]
     resumed = _train(b, warm_model)
     assert "resumed from step 2" in resumed.stdout
-    pa, pb = _params(a, 3), _params(b, 3)
-    jax.tree.map(np.testing.assert_array_equal, pa, pb)
+    pa, pb = _params(a, 3, warm_model), _params(b, 3, warm_model)
+    for x, y in zip(pa, pb):
+        np.testing.assert_array_equal(x, y)
     # ... and training did move the parameters.
-    assert any(not np.array_equal(x, y) for x, y in zip(jax.tree.leaves(_params(a, 1)), jax.tree.leaves(pa)))
+    assert any(not np.array_equal(x, y) for x, y in zip(_params(a, 1, warm_model), pa))
+
+
+def test_two_processes_train_as_one(warm_model, tmp_path):
+    """Two processes (2 CPU devices each, gloo collectives) train the 4-device FSDP mesh together:
+    each rolls out only its half of every step's questions, and the parameters after two steps
+    are those of one process driving all 4 devices over the same global batches."""
+    one, two = tmp_path / "one", tmp_path / "two"
+    steps = ("--config.train.total_steps=2", "--config.train.debug_hosts=True")
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        port = s.getsockname()[1]
+    procs = [subprocess.Popen(_cmd(two, warm_model, *steps, f"--config.distributed.coordinator_address=localhost:{port}",
+                                   "--config.distributed.num_processes=2", f"--config.distributed.process_id={i}",
+                                   "--config.distributed.cpu_collectives=gloo"),
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO, env=_env(2))
+             for i in (0, 1)]
+    try:
+        outs = [p.communicate(timeout=600)[0] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    for p, out in zip(procs, outs):
+        assert p.returncode == 0, out[-4000:]
+    single = subprocess.run(_cmd(one, warm_model, *steps), capture_output=True, text=True, timeout=600, cwd=REPO,
+                            env=_env(4))
+    assert single.returncode == 0, single.stderr[-3000:]
+
+    read = lambda path: [json.loads(x)["ids"] for x in path.read_text().splitlines()]
+    halves = [read(two / f"questions.process{i}.jsonl") for i in (0, 1)]
+    whole = read(one / "questions.process0.jsonl")
+    assert len(whole) == 2 and all(len(ids) == 4 for ids in whole)
+    for step in range(2):
+        assert halves[0][step] + halves[1][step] == whole[step]  # its own half, in row order
+    after = _params(two, 2, warm_model)
+    for x, y in zip(after, _params(one, 2, warm_model)):
+        np.testing.assert_allclose(x, y, atol=2e-5)
+    assert any(not np.array_equal(x, y) for x, y in zip(_params(two, 1, warm_model), after))
+    lines = [json.loads(x) for x in (two / "metrics.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in lines if x["split"] == "train"] == [1, 2]  # process 0 alone writes
 
 
 def test_config_overrides_and_unknown_field(tmp_path):

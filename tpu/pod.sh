@@ -4,9 +4,12 @@
 #   TPU_NAME (sem-jax)  ZONE (us-central2-b)  PROJECT (gcloud default)  ACCELERATOR (v4-32)
 #   RUNTIME (tpu-ubuntu2204-base)  CAPACITY (spot | reserved | on-demand; spot)
 #   QR_ID (<TPU_NAME>-qr)  REMOTE_DIR (sem_jax)  LOG (sem_jax.log)
+#   BUCKET (for mount)  MOUNT (/mnt/sem_jax)
 #
 #   tpu/pod.sh create            queued resource for the pod (spot or reserved)
 #   tpu/pod.sh setup             copy this checkout to every worker and pip install -e '.[tpu]'
+#   tpu/pod.sh mount             mount gs://BUCKET at MOUNT on every worker (gcsfuse): a run_dir
+#                                that all hosts share, as multi-host checkpoints need
 #   tpu/pod.sh launch ARGS...    the same `python -m sem_jax.train ARGS` on all workers, in the background
 #   tpu/pod.sh logs [WORKER]     tail the log of one worker (0)
 #   tpu/pod.sh stop              kill sem_jax on all workers and clear a stale TPU lock
@@ -57,6 +60,11 @@ case "$CMD" in
       "${PROJECT_FLAG[@]}" --worker=all
     ssh_all all "mkdir -p ~/$REMOTE_DIR && tar -xzf ~/sem_jax.tar.gz -C ~/$REMOTE_DIR && cd ~/$REMOTE_DIR && python3 -m venv .venv && .venv/bin/pip install -q -e '.[tpu]'"
     ;;
+  mount)
+    [[ -n "${BUCKET:-}" ]] || { echo "set BUCKET (a gs:// bucket name, without gs://)" >&2; exit 2; }
+    MOUNT="${MOUNT:-/mnt/sem_jax}"
+    ssh_all all "command -v gcsfuse >/dev/null || { curl -fsSL https://packages.cloud.google.com/apt/doc/apt-key.gpg | sudo gpg --dearmor -o /usr/share/keyrings/gcsfuse.gpg && echo 'deb [signed-by=/usr/share/keyrings/gcsfuse.gpg] https://packages.cloud.google.com/apt gcsfuse-jammy main' | sudo tee /etc/apt/sources.list.d/gcsfuse.list && sudo apt-get update -q && sudo apt-get install -yq gcsfuse; }; sudo mkdir -p $MOUNT && sudo chown \$USER $MOUNT && (mountpoint -q $MOUNT || gcsfuse --implicit-dirs $BUCKET $MOUNT)"
+    ;;
   launch)
     [[ $# -gt 0 ]] || { echo "usage: tpu/pod.sh launch --config configs/tpu_v4.py [--config.x=y ...]" >&2; exit 2; }
     args="$(printf '%q ' "$@")"
@@ -72,7 +80,7 @@ case "$CMD" in
     run gcloud compute tpus queued-resources delete "$QR_ID" --zone "$ZONE" "${PROJECT_FLAG[@]}" --force --quiet
     ;;
   *)
-    sed -n '2,15p' "$0" >&2
+    sed -n '2,18p' "$0" >&2
     exit 2
     ;;
 esac

@@ -80,7 +80,7 @@ class World:
         paths = {name: os.path.join(directory, f"{name}.jsonl") for name in ("corpus", "train", "eval")}
         rows = {"corpus": self.corpus, "train": [_row(e) for e in self.train], "eval": [_row(e) for e in self.eval]}
         for name, path in paths.items():
-            tmp = path + ".tmp"
+            tmp = f"{path}.tmp{os.getpid()}"  # several processes may write the same (identical) world
             with open(tmp, "w") as fh:
                 fh.writelines(json.dumps(r) + "\n" for r in rows[name])
             os.replace(tmp, path)

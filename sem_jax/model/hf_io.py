@@ -155,7 +155,7 @@ def from_pretrained(path: str, *, dtype: Any = jnp.float32, compute_dtype: Any =
         for hf, _, layout, tshape in entries:
             ckpt.get(hf, hf_shape(layout, tshape))
         sharding = named_sharding(mesh, axes, shape) if mesh is not None else \
-            SingleDeviceSharding(jax.devices()[0])
+            SingleDeviceSharding(jax.local_devices()[0])
 
         def read(index, entries=entries, stacked=name.startswith("layers.")):
             def one(hf, layout, tshape, sub):

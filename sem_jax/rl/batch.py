@@ -10,17 +10,24 @@ from sem_jax.sampling.rollout import Trajectory
 from sem_jax.sampling.sampler import bucket_length
 
 
+def batch_width(trajs: Sequence[Trajectory], min_length: int = 32) -> int:
+    """T of `build_batch`: the longest prompt + response, bucketed (bounded recompiles)."""
+    return bucket_length(max(len(t.prompt_ids) + len(t.response_ids) for t in trajs) - 1, minimum=min_length)
+
+
 def build_batch(trajs: Sequence[Trajectory], advantages: np.ndarray, *, micro_batch: int,
-                pad_id: int = 0, min_length: int = 32) -> dict[str, np.ndarray]:
+                pad_id: int = 0, width: int | None = None) -> dict[str, np.ndarray]:
     """Arrays [N, T] with position t predicting token t+1 of prompt+response.
 
     `mask` is 1 exactly on targets the policy sampled (0 on prompt, inserted results and
     padding); rows are padded with all-zero-mask rows up to a multiple of `micro_batch`,
-    and T to a `bucket_length` (bounded recompiles).
+    and T is `width` (default `batch_width(trajs)`; processes agree on one).
     """
     seqs = [list(t.prompt_ids) + t.response_ids.tolist() for t in trajs]
     n = -(-len(seqs) // micro_batch) * micro_batch
-    width = bucket_length(max(len(s) for s in seqs) - 1, minimum=min_length)
+    width = width or batch_width(trajs)
+    if max(len(s) for s in seqs) - 1 > width:
+        raise ValueError(f"a trajectory of {max(len(s) for s in seqs)} tokens does not fit width {width}")
     out = {
         "inputs": np.full((n, width), pad_id, np.int32),
         "targets": np.full((n, width), pad_id, np.int32),

@@ -43,7 +43,15 @@ def make_optimizer(cfg: OptimConfig) -> optax.GradientTransformation:
 
 
 def _micro(batch: dict[str, jax.Array], size: int) -> dict[str, jax.Array]:
-    return {k: v.reshape(v.shape[0] // size, size, *v.shape[1:]) for k, v in batch.items()}
+    """[N, ...] -> [N / size, size, ...], micro-batch j holding rows j, j + N/size, ...: rows are
+    sharded in contiguous blocks over the batch axes (one per device, one range per process), so
+    strided micro-batches keep every device busy in each of them."""
+    return {k: v.reshape(size, v.shape[0] // size, *v.shape[1:]).swapaxes(0, 1) for k, v in batch.items()}
+
+
+def _unmicro(x: jax.Array) -> jax.Array:
+    """The inverse of `_micro` for one array: [N / size, size, ...] -> [N, ...]."""
+    return x.swapaxes(0, 1).reshape(-1, *x.shape[2:])
 
 
 class GRPOTrainer:
@@ -68,8 +76,7 @@ class GRPOTrainer:
             lp, _ = token_logprobs(nnx.merge(self.graphdef, params), mb["inputs"], mb["targets"], self.chunk)
             return lp
         mbs = _micro({"inputs": batch["inputs"], "targets": batch["targets"]}, self.micro_batch)
-        lp = jax.lax.map(one, mbs)
-        return lp.reshape(-1, lp.shape[-1])
+        return _unmicro(jax.lax.map(one, mbs))
 
     def _update_fn(self, params, opt_state, batch, ref_logprobs):
         def loss_fn(p, mb):

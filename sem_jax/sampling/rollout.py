@@ -15,6 +15,7 @@ from collections.abc import Sequence
 import jax
 import numpy as np
 
+from sem_jax import hosts
 from sem_jax.retrieval.format import format_results
 from sem_jax.sampling.sampler import Sampler
 
@@ -65,11 +66,19 @@ def parse_query(text: str) -> str:
 
 def rollout(sampler: Sampler, tokenizer, retriever, prompts: Sequence[Sequence[int]], key: jax.Array,
             cfg: RolloutConfig) -> tuple[list[Trajectory], RolloutStats]:
-    """G trajectories per prompt (row = prompt * G + g), with searches answered by `retriever`."""
+    """G trajectories per prompt (row = prompt * G + g), with searches answered by `retriever`.
+
+    On a multi-process run each process passes its own prompts and gets its own trajectories;
+    prompts are padded (with repeats, rolled out and dropped) to the same count everywhere and
+    to a multiple of the process's batch shards."""
     stats = RolloutStats()
     g = cfg.group_size
-    state = sampler.start(prompts, g, key)
-    b = len(prompts) * g
+    real = len(prompts) * g
+    per = hosts.agree_max(len(prompts))
+    while (per * g) % sampler.row_multiple():
+        per += 1
+    state = sampler.start(list(prompts) + [prompts[-1]] * (per - len(prompts)), g, key)
+    b = per * g
     budget = sampler.config.max_new_tokens
     searches = np.zeros(b, int)
     refused = np.zeros(b, bool)
@@ -79,23 +88,26 @@ def rollout(sampler: Sampler, tokenizer, retriever, prompts: Sequence[Sequence[i
     while True:
         t0 = time.perf_counter()
         state = sampler.decode(state)
-        paused = np.asarray(state.paused)
+        any_paused = sampler.any_paused(state)  # on any process: all take part in the insert
         stats.decode_s += time.perf_counter() - t0
-        if not paused.any():
+        if not any_paused:
             break
         stats.pause_rounds += 1
-        resp, lens = np.asarray(state.resp), np.asarray(state.resp_len)
+        paused = sampler.local(state.paused)
+        resp, lens = sampler.local(state.resp), sampler.local(state.resp_len)
         blocks: list[list[int]] = [[] for _ in range(b)]
         end = np.zeros(b, bool)
         ask = []
         for row in np.flatnonzero(paused):
-            if searches[row] < cfg.max_searches:
+            if row >= real:  # a padding row: end it, no retrieval
+                end[row] = True
+            elif searches[row] < cfg.max_searches:
                 ask.append(row)
             elif not refused[row]:
                 blocks[row], refused[row] = list(note_ids), True
             else:  # asked again after the note: stop the row
                 end[row] = ended_by_limit[row] = True
-        if ask:
+        if ask:  # this process's rows only: every host searches for its own
             t0 = time.perf_counter()
             texts = [tokenizer.decode(resp[r, :lens[r]].tolist(), skip_special_tokens=True) for r in ask]
             qs = [parse_query(t) for t in texts]
@@ -113,10 +125,10 @@ def rollout(sampler: Sampler, tokenizer, retriever, prompts: Sequence[Sequence[i
         state = sampler.insert(state, blocks, end)
         stats.insert_s += time.perf_counter() - t0
 
-    resp, lp, sampled, lens, eos = jax.device_get(
-        (state.resp, state.resp_logprob, state.resp_sampled, state.resp_len, state.eos))
+    resp, lp, sampled, lens, eos = (sampler.local(x) for x in (state.resp, state.resp_logprob, state.resp_sampled,
+                                                                  state.resp_len, state.eos))
     out = []
-    for row in range(b):
+    for row in range(real):
         n = int(lens[row])
         ids = resp[row, :n].astype(np.int32)
         reason = "search_limit" if ended_by_limit[row] else "eos" if eos[row] else "length"

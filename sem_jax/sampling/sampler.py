@@ -17,7 +17,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from sem_jax.model.qwen2 import KVCache, Qwen2
+from sem_jax import hosts
+from sem_jax.model.qwen2 import CACHE_AXES, KVCache, Qwen2
+from sem_jax.sharding import constrain, put
 from sem_jax.sampling.stop import StopAutomaton
 
 
@@ -133,12 +135,20 @@ def _prefill(graphdef, params, prompts, lengths, key, *, group_size: int, cache_
     rep = lambda x, axis: jnp.repeat(x, group_size, axis=axis)
     cache = KVCache(k=rep(cache.k, 1), v=rep(cache.v, 1), lengths=rep(cache.lengths, 0))
     b = p * group_size
-    return SamplerState(
+    state = SamplerState(
         cache=cache, logits=rep(last, 0),
         resp=jnp.zeros((b, resp_len), jnp.int32), resp_logprob=jnp.zeros((b, resp_len), jnp.float32),
         resp_sampled=jnp.zeros((b, resp_len), bool), resp_len=jnp.zeros((b,), jnp.int32),
         stop_state=jnp.zeros((b,), jnp.int32), paused=jnp.zeros((b,), bool),
         eos=jnp.zeros((b,), bool), done=jnp.zeros((b,), bool), key=key)
+    # Rows stay split over the batch axes as the prompts were (row = prompt * G + g keeps a
+    # process's groups on its own devices); decode and insert inherit this layout.
+    rows = lambda x: constrain(x, ("batch",) + ("length",) * (x.ndim - 1))
+    fields = {f.name: rows(getattr(state, f.name)) for f in dataclasses.fields(state)
+              if f.name not in ("cache", "key")}
+    cache = KVCache(k=constrain(state.cache.k, CACHE_AXES), v=constrain(state.cache.v, CACHE_AXES),
+                    lengths=rows(state.cache.lengths))
+    return SamplerState(cache=cache, key=key, **fields)
 
 
 def _decode(graphdef, params, state: SamplerState, stop_table, eos_ids, *,
@@ -202,6 +212,7 @@ prefill_step = jax.jit(_prefill, static_argnums=0,
                        static_argnames=("group_size", "cache_len", "resp_len", "cache_dtype"))
 decode_loop = jax.jit(_decode, static_argnums=0, static_argnames=("cfg", "max_steps"), donate_argnums=2)
 insert_step = jax.jit(_insert, static_argnums=0, donate_argnums=2)
+any_paused = jax.jit(lambda state: jnp.any(state.paused))
 
 
 class Sampler:
@@ -209,21 +220,48 @@ class Sampler:
 
     Recompiles are bounded: prompt length and insert width are bucketed
     (`bucket_length`); the batch size and response budget are fixed by the caller.
+
+    With a `mesh`, rows are sharded over its batch axes and each process passes (and gets
+    back, through `local`) only its own rows; widths are agreed between processes so that
+    every process makes the same compiled calls (`sem_jax.hosts`).
     """
 
     def __init__(self, model: Qwen2, stop: StopAutomaton, cfg: SamplingConfig,
-                 max_steps_per_call: int | None = None):
+                 max_steps_per_call: int | None = None, mesh: jax.sharding.Mesh | None = None,
+                 calls: hosts.CallLog | None = None):
         self.graphdef, self.params = nnx.split(model)
         self.config = cfg
+        self.mesh = mesh
+        self.calls = calls or hosts.CallLog(False)
         self.cache_dtype = model.dtype
         vocab = model.config.vocab_size
         table = stop.table
         if table.shape[0] < vocab:  # model rows past the tokenizer: no bytes, no state change
             pad = np.repeat(np.arange(table.shape[1], dtype=np.int32)[None] * 2, vocab - table.shape[0], 0)
             table = np.concatenate([table, pad])
-        self.stop_table = jnp.asarray(table[:vocab])
-        self.eos_ids = jnp.asarray(np.array(cfg.eos_ids or [-1], np.int32))
+        self.stop_table = self._replicated(table[:vocab])
+        self.eos_ids = self._replicated(np.array(cfg.eos_ids or [-1], np.int32))
         self.max_steps = max_steps_per_call or cfg.max_new_tokens
+
+    def _replicated(self, x: np.ndarray) -> jax.Array:
+        if self.mesh is None:
+            return jnp.asarray(x)
+        return put(x, jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec()))
+
+    def _rows(self, local: np.ndarray) -> jax.Array:
+        return jnp.asarray(local) if self.mesh is None else hosts.to_global(local, self.mesh)
+
+    def local(self, x: jax.Array) -> np.ndarray:
+        """This process's rows of a state field (all rows without a mesh)."""
+        return np.asarray(x) if self.mesh is None else hosts.to_local(x)
+
+    def row_multiple(self) -> int:
+        """Each process's row count must be a multiple of this (its share of the batch shards)."""
+        return 1 if self.mesh is None else hosts.local_batch_multiple(self.mesh)
+
+    def any_paused(self, state: SamplerState) -> bool:
+        """Whether any row of any process waits for the host."""
+        return bool(any_paused(state))
 
     def set_params(self, params: Any) -> None:
         """Use new policy weights (same structure) for the next rollouts."""
@@ -233,17 +271,21 @@ class Sampler:
         """Prefill each prompt once and copy it to `group_size` rows (row = prompt * G + g)."""
         if not prompts or any(len(p) == 0 for p in prompts):
             raise ValueError("every prompt needs at least one token")
-        width = bucket_length(max(len(p) for p in prompts))
+        width = hosts.agree_max(bucket_length(max(len(p) for p in prompts)))
         arr = np.zeros((len(prompts), width), np.int32)
         for i, p in enumerate(prompts):
             arr[i, :len(p)] = p
         lengths = np.array([len(p) for p in prompts], np.int32)
-        return prefill_step(self.graphdef, self.params, jnp.asarray(arr), jnp.asarray(lengths), key,
+        if self.mesh is not None:
+            key = put(key, jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec()))
+        self.calls.record("prefill", arr)
+        return prefill_step(self.graphdef, self.params, self._rows(arr), self._rows(lengths), key,
                             group_size=group_size, cache_len=width + self.config.max_new_tokens,
                             resp_len=self.config.max_new_tokens, cache_dtype=self.cache_dtype)
 
     def decode(self, state: SamplerState) -> SamplerState:
         """Sample until every row is done or paused at a stop string. Donates `state`."""
+        self.calls.record("decode", state.resp)
         return decode_loop(self.graphdef, self.params, state, self.stop_table, self.eos_ids,
                            cfg=self.config, max_steps=self.max_steps)
 
@@ -252,13 +294,13 @@ class Sampler:
         """Append `blocks[b]` (may be empty) to each row and resume; `end_rows` rows end instead.
         Donates `state`."""
         b = len(blocks)
-        width = bucket_length(max([len(x) for x in blocks] + [1]), minimum=8)
+        width = hosts.agree_max(bucket_length(max([len(x) for x in blocks] + [1]), minimum=8))
         ids = np.zeros((b, width), np.int32)
         n = np.zeros(b, np.int32)
         for i, blk in enumerate(blocks):
             ids[i, :len(blk)] = blk
             n[i] = len(blk)
         end = np.zeros(b, bool) if end_rows is None else np.asarray(end_rows, bool)
-        return insert_step(self.graphdef, self.params, state, jnp.asarray(ids), jnp.asarray(n),
-                           jnp.asarray(end))
+        self.calls.record("insert", ids)
+        return insert_step(self.graphdef, self.params, state, self._rows(ids), self._rows(n), self._rows(end))
 

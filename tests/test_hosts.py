@@ -1,0 +1,92 @@
+"""Host-local rows <-> global arrays (sem_jax.hosts), with one process and with two."""
+
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from sem_jax import hosts
+from sem_jax.rl.trainer import _micro, _unmicro
+from sem_jax.sharding import make_mesh
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_one_process_round_trip_and_micro_batches():
+    mesh = make_mesh(data=2, fsdp=4)
+    assert hosts.batch_shards(mesh) == 8 and hosts.local_batch_multiple(mesh) == 8
+    rows = np.arange(16 * 3, dtype=np.float32).reshape(16, 3)
+    x = hosts.to_global(rows, mesh)
+    assert len({tuple(s.index[0].indices(16)) for s in x.addressable_shards}) == 8  # split 8 ways
+    np.testing.assert_array_equal(hosts.to_local(x), rows)
+    assert hosts.agree_max(5) == 5 and hosts.gather_json({"a": [1]}) == [{"a": [1]}]
+    # Strided micro-batches: each holds rows from every shard, and _unmicro undoes _micro.
+    mb = _micro({"x": jnp.asarray(rows)}, 4)["x"]
+    assert mb.shape == (4, 4, 3)
+    np.testing.assert_array_equal(np.asarray(mb[1, :, 0]), rows[[1, 5, 9, 13], 0])
+    np.testing.assert_array_equal(np.asarray(_unmicro(mb)), rows)
+
+
+_TWO = textwrap.dedent("""
+    import sys
+    import jax
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(coordinator_address=sys.argv[1], num_processes=2, process_id=int(sys.argv[2]))
+    import jax.numpy as jnp, numpy as np
+    from sem_jax import hosts
+    from sem_jax.sharding import make_mesh
+    pid = jax.process_index()
+    mesh = make_mesh(fsdp=-1)
+    local = np.full((2, 3), pid, np.int32) + np.arange(2)[:, None] * 10
+    x = hosts.to_global(local, mesh)
+    assert x.shape == (4, 3), x.shape
+    assert (hosts.to_local(x) == local).all()
+    total = int(jax.jit(jnp.sum)(x))  # a collective over both processes' rows
+    assert total == 3 * (0 + 10 + 1 + 11), total
+    assert hosts.agree_max(7 + pid) == 8
+    assert hosts.gather_json({"pid": pid, "s": "x" * (5 * pid)}) == [{"pid": 0, "s": ""}, {"pid": 1, "s": "xxxxx"}]
+    try:
+        hosts.to_global(np.zeros((1, 3)), mesh)  # 2 rows over 4 shards
+        raise SystemExit("uneven rows accepted")
+    except ValueError as e:
+        assert "batch shards" in str(e)
+    log = hosts.CallLog(True)
+    log.record("decode", np.zeros((4, 8)))
+    log.check("same calls")
+    log.record("insert", np.zeros((4, 8 + 8 * pid)))  # process 1 would compile another shape
+    try:
+        log.check("step 1")
+        raise SystemExit("mismatch not detected")
+    except RuntimeError as e:
+        assert "step 1: processes made different device calls" in str(e) and "(4, 16)" in str(e), e
+    hosts.check_shared_dir(sys.argv[3])
+    try:
+        hosts.check_shared_dir(sys.argv[3] + f"/own{pid}")  # a directory only this process writes to
+        raise SystemExit("unshared run_dir accepted")
+    except RuntimeError as e:
+        assert "is not shared" in str(e), e
+    print("ok", pid)
+""")
+
+
+def test_two_processes_share_rows_agree_and_catch_diverging_calls(tmp_path):
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        addr = f"localhost:{s.getsockname()[1]}"
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=2")
+    for i in (0, 1):
+        (tmp_path / f"own{i}").mkdir()
+    procs = [subprocess.Popen([sys.executable, "-c", _TWO, addr, str(i), str(tmp_path)], stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True, cwd=REPO, env=env) for i in (0, 1)]
+    try:
+        outs = [p.communicate(timeout=300)[0] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    for i, (p, out) in enumerate(zip(procs, outs)):
+        assert p.returncode == 0 and f"ok {i}" in out, out[-3000:]
