@@ -100,7 +100,8 @@ def base_config() -> ConfigDict:
     # Supervised warm start of a random-init policy (model.path unset) on the world's
     # templated traces, saved as an HF directory in run_dir/warm_start; 0 steps: none.
     c.warm_start = ConfigDict(dict(steps=0, lr=3e-3, rows=12, search_prob_a=0.8, search_prob_b=0.2,
-                                   known_copies=8, lookup_copies=1))
+                                   known_copies=8, lookup_copies=1,
+                                   lookup_steps=0))  # first: steps on lookups alone (every trace searches)
     c.train.eval_at_start = False        # evaluate the initial policy (step 0) before training
     return c
 
@@ -114,7 +115,8 @@ def demo_config() -> ConfigDict:
     c.system_prompt = "Answer first. Search only if unsure."
     c.model.init.update(tokenizer_vocab=1024, hidden_size=128, intermediate_size=384, num_layers=4,
                         num_heads=4, num_kv_heads=2)
-    c.warm_start.steps = 800
+    c.warm_start.lookup_steps = 400      # lookups alone first (copying is the slow skill) ...
+    c.warm_start.steps = 800             # ... then the whole mix
     c.warm_start.known_copies = 16       # known facts must be memorised: repeat them
     c.retrieval.top_k = 1               # one passage per search: short contexts for a tiny model
     c.retrieval.max_tokens_per_passage = 48

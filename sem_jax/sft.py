@@ -6,6 +6,8 @@ are in the context but get no loss, exactly as in GRPO.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import os
 import time
 from collections.abc import Sequence
@@ -131,13 +133,21 @@ def warm_start(config, model: Qwen2, tokenizer, retriever, world, run_dir: str) 
         print(f"warm start: loading {out}", flush=True)
         return from_pretrained(out, dtype=model.param_dtype, compute_dtype=model.dtype, remat=model.remat)
     w = config.warm_start
-    pairs = warm_start_pairs(world, tokenizer, retriever, top_k=config.retrieval.top_k,
-                             max_tokens_per_passage=config.retrieval.max_tokens_per_passage,
-                             system_prompt=config.system_prompt, search_prob=(w.search_prob_a, w.search_prob_b),
-                             copies=(w.known_copies, w.lookup_copies), seed=config.seed)
+    traces = functools.partial(warm_start_pairs, tokenizer=tokenizer, retriever=retriever,
+                               top_k=config.retrieval.top_k,
+                               max_tokens_per_passage=config.retrieval.max_tokens_per_passage,
+                               system_prompt=config.system_prompt, seed=config.seed)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    if w.lookup_steps:
+        # Lookups alone first: copying the question into the query and the answer out of the
+        # passage is the skill a tiny model is slowest to pick up amid everything else.
+        lookups = traces(dataclasses.replace(world, known=[]), search_prob=(1.0, 1.0), copies=(0, w.lookup_copies))
+        print(f"warm start: {len(lookups)} lookup traces, {w.lookup_steps} steps", flush=True)
+        supervised_finetune(model, lookups, steps=w.lookup_steps, lr=w.lr, rows=w.rows, seed=config.seed,
+                            pad_id=pad, log_every=max(1, w.lookup_steps // 5))
+    pairs = traces(world, search_prob=(w.search_prob_a, w.search_prob_b), copies=(w.known_copies, w.lookup_copies))
     searching = sum(len(segs) > 1 for _, segs in pairs) / len(pairs)
     print(f"warm start: {len(pairs)} traces ({100 * searching:.0f}% search), {w.steps} steps", flush=True)
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     supervised_finetune(model, pairs, steps=w.steps, lr=w.lr, rows=w.rows, seed=config.seed, pad_id=pad,
                         log_every=max(1, w.steps // 10))
     if jax.process_index() == 0:

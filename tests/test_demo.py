@@ -148,6 +148,7 @@ def test_demo_config_end_to_end_with_tiny_budgets(tmp_path):
     run = tmp_path / "demo"
     cmd = lambda steps: [
         sys.executable, "-m", "sem_jax.train", f"--config.run_dir={run}", "--config.warm_start.steps=30",
+        "--config.warm_start.lookup_steps=5",
         "--config.world.rl_people=16", "--config.world.eval_people=6", "--config.world.warm_people=40",
         f"--config.train.total_steps={steps}", "--config.train.ckpt_every=1", "--config.data.prompts_per_step=2",
         "--config.rollout.group_size=2", "--config.model.init.hidden_size=32",
@@ -155,7 +156,7 @@ def test_demo_config_end_to_end_with_tiny_budgets(tmp_path):
     env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")
     proc = subprocess.run(cmd(2), capture_output=True, text=True, timeout=600, cwd=REPO, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "warm start: " in proc.stdout and "world: 62 people" in proc.stdout
+    assert "lookup traces, 5 steps" in proc.stdout and "world: 62 people" in proc.stdout
     assert sorted(os.listdir(run / "world")) == ["corpus.jsonl", "eval.jsonl", "train.jsonl"]
     assert (run / "warm_start" / "config.json").exists() and (run / "warm_start" / "tokenizer.json").exists()
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]

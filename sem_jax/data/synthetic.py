@@ -35,13 +35,15 @@ _VOWELS = ["a", "e", "i", "o", "u"]
 _CITY_ENDS = ["ford", "holm", "mouth", "wick", "stead", "vale"]
 _ORG_KINDS = ["Guild", "Company", "Society", "Union", "Works", "Trust"]
 
-PHRASINGS = {  # (phrasing A, phrasing B)
-    "born": ("Where was {p} born?", "{p} was born in which city?"),
-    "works": ("Which organisation does {p} work for?", "{p} works for which organisation?"),
+PHRASINGS = {  # (phrasing A, phrasing B). Names never open a question: " Madre" (with its space)
+    # is then the same token in the question, the search query and the passage, so that
+    # looking someone up is a plain copy (a sentence-initial "Madre" is another token).
+    "born": ("Where was {p} born?", "In which city was {p} born?"),
+    "works": ("Which organisation does {p} work for?", "For which organisation does {p} work?"),
     "founded": ("Where was the organisation {p} works for founded?",
-                "The organisation {p} works for was founded in which city?"),
-    "sum": ("What is {a} plus {b}?", "{a} plus {b} makes what?"),
-    "capital": ("What is the capital of {c}?", "{c} has which capital?"),
+                "In which city was the organisation that {p} works for founded?"),
+    "sum": ("What is {a} plus {b}?", "How much is {a} plus {b}?"),
+    "capital": ("What is the capital of {c}?", "Which city is the capital of {c}?"),
 }
 THINK_FIRST = "<think>ok</think>"
 THINK_AFTER = "<think>found</think>"
@@ -52,9 +54,9 @@ class WorldConfig:
     seed: int = 0
     rl_people: int = 120       # people the RL questions ask about
     eval_people: int = 40      # people only the eval questions ask about
-    warm_people: int = 800     # people only the warm-start traces look up (many, seen once or
-                               # twice each: the warm start learns to read results, not to
-                               # memorise a person's facts)
+    warm_people: int = 4000    # people only the warm-start traces look up (many, each seen
+                               # about once: the warm start learns to copy names into queries
+                               # and answers out of results, not to memorise people)
     cities: int = 12
     orgs: int = 12
     countries: int = 20        # known facts: capitals of invented countries ...
@@ -115,7 +117,10 @@ def build_world(cfg: WorldConfig = WorldConfig()) -> World:
     stock = int(np.ceil(np.sqrt(n_people * 2)))
     firsts, lasts = _names(rng, stock, (2, 2), taken), _names(rng, stock, (2, 2), taken)
     pairs = rng.permutation(stock * stock)[:n_people]
-    people = [f"{firsts[k // stock]} {lasts[k % stock]}" for k in pairs]
+    # "Mx" before every name: the model copies a name into its query token by token, and a
+    # token that always precedes names cues the first one (after a plain " was" or " does" a
+    # tiny model wrote its favourite first name; the surname after a copied first name it got right).
+    people = [f"Mx {firsts[k // stock]} {lasts[k % stock]}" for k in pairs]
     countries = _names(rng, cfg.countries, (2, 3), taken)
     capitals = [n + rng.choice(_CITY_ENDS) for n in _names(rng, cfg.countries, (1, 2), taken)]
 
@@ -174,19 +179,28 @@ def world_config(config) -> WorldConfig:
 
 
 def texts(world: World) -> list[str]:
-    """What the demo's BPE is trained on."""
+    """What the demo's BPE is trained on: the world's text, and the chat roles and protocol tags
+    (repeated, so that they merge: a response is then a few tokens of format, not dozens of
+    characters)."""
+    protocol = (f"system\nuser\nassistant\n{THINK_FIRST}<answer> x</answer><search> q</search>\n<result>\n"
+                f"(1) t: x\n</result>\n{THINK_AFTER}<answer> x</answer>")
     return [f"{d['title']} {d['text']}" for d in world.corpus] + [
-        e.question + " " + e.answers[0] for e in world.train + world.eval + world.known + world.warm_unknown]
+        e.question + " " + e.answers[0] for e in world.train + world.eval + world.known + world.warm_unknown] + \
+        [protocol] * 50
 
 
 # -- warm-start traces ----------------------------------------------------------------------
 
 def _query_chain(world: World, ex: Example) -> list[str]:
-    """The search queries a perfect searcher writes for `ex` (known questions: the question)."""
-    if ex.source == "known":
-        return [ex.question.rstrip("?")]
-    person = world.subject[ex.id]
-    return [person, world.facts[person]["works"]] if _kind(ex) == "founded" else [person]
+    """The search queries the warm-start traces write for `ex`: the question itself (bm25 ranks
+    the person's passage first: the names are the rare words), then for two hops the
+    organisation named in that passage. Copying the whole question makes lookups an induction
+    pattern over many tokens, which a tiny model picks up far sooner than copying a two-token
+    name out of the middle of a sentence (tried: it learned the first name, not the second)."""
+    first = ex.question.rstrip("?")
+    if ex.source == "unknown" and _kind(ex) == "founded":
+        return [first, world.facts[world.subject[ex.id]]["works"]]
+    return [first]
 
 
 def _guess(world: World, ex: Example, rng: np.random.RandomState) -> str:

@@ -71,6 +71,8 @@ def rollout(sampler: Sampler, tokenizer, retriever, prompts: Sequence[Sequence[i
     On a multi-process run each process passes its own prompts and gets its own trajectories;
     prompts are padded (with repeats, rolled out and dropped) to the same count everywhere and
     to a multiple of the process's batch shards."""
+    if not prompts:
+        raise ValueError("rollout needs at least one prompt (on every process)")
     stats = RolloutStats()
     g = cfg.group_size
     real = len(prompts) * g
