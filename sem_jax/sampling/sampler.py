@@ -243,9 +243,10 @@ class Sampler:
         self.eos_ids = self._replicated(np.array(cfg.eos_ids or [-1], np.int32))
         self.max_steps = max_steps_per_call or cfg.max_new_tokens
 
-    def _replicated(self, x: np.ndarray) -> jax.Array:
+    def _replicated(self, x: np.ndarray | jax.Array) -> jax.Array:
+        """`x` whole on every device of the mesh (as an array, as it is, without a mesh)."""
         if self.mesh is None:
-            return jnp.asarray(x)
+            return x if isinstance(x, jax.Array) else jnp.asarray(x)
         return put(x, jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec()))
 
     def _rows(self, local: np.ndarray) -> jax.Array:
@@ -276,8 +277,7 @@ class Sampler:
         for i, p in enumerate(prompts):
             arr[i, :len(p)] = p
         lengths = np.array([len(p) for p in prompts], np.int32)
-        if self.mesh is not None:
-            key = put(key, jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec()))
+        key = self._replicated(key)
         self.calls.record("prefill", arr)
         return prefill_step(self.graphdef, self.params, self._rows(arr), self._rows(lengths), key,
                             group_size=group_size, cache_len=width + self.config.max_new_tokens,
