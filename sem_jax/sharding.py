@@ -84,6 +84,8 @@ def logical_to_spec(names: Sequence[str | None], shape: Sequence[int] | None = N
                 axes = ()
         used.update(axes)
         spec.append(None if not axes else axes[0] if len(axes) == 1 else axes)
+    while spec and spec[-1] is None:  # jit returns specs in this form: P(x, None) would miss
+        spec.pop()                    # its compile cache and compile the step a second time
     return PartitionSpec(*spec)
 
 

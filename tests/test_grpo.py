@@ -172,3 +172,20 @@ def test_reference_pass_skipped_when_beta_is_zero():
     opt = t1.init_opt_state(params)
     _, _, metrics = t1.update(jax.tree.map(jnp.array, params), opt, batch, ref)
     assert abs(float(metrics["kl"])) < 1e-6
+
+
+@pytest.mark.parametrize("sharded", [False, True])
+def test_update_compiles_once(sharded):
+    """Step 2 used to compile the update again: optax's step count starts uncommitted."""
+    from sem_jax.sharding import make_mesh, shard_params
+    model = random_qwen2(5)
+    _, params = nnx.split(model)
+    # Committed as loaded weights are (uncommitted inputs recompile for their own reason).
+    params = shard_params(params, make_mesh(1, -1, 1)) if sharded else jax.device_put(params, jax.devices()[0])
+    batch = _batch(np.random.RandomState(5))
+    trainer = GRPOTrainer(model, GRPOConfig(beta=0), OptimConfig(lr=1e-3), micro_batch=2)
+    opt = trainer.init_opt_state(params)
+    for _ in range(3):
+        params, opt, metrics = trainer.update(params, opt, batch)
+    assert int(metrics["skipped"]) == 0
+    assert trainer._update._cache_size() == 1

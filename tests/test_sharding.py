@@ -15,11 +15,10 @@ from sem_jax.sharding import RULES, logical_to_spec, make_mesh
 def test_rules_table():
     mesh = {"data": 2, "fsdp": 2, "tensor": 4}
     assert logical_to_spec(("layers", "embed", "heads", "head_dim"), (3, 64, 8, 8), mesh) == \
-        P(None, "fsdp", "tensor", None)
+        P(None, "fsdp", "tensor")  # trailing replicated dims dropped, as jit returns specs
     # 2 KV heads do not divide over tensor=4: replicated rather than an error.
-    assert logical_to_spec(("layers", "embed", "kv_heads", "head_dim"), (3, 64, 2, 8), mesh) == \
-        P(None, "fsdp", None, None)
-    assert logical_to_spec(("batch", "length", "act_embed"), (8, 5, 64), mesh) == P(("data", "fsdp"), None, None)
+    assert logical_to_spec(("layers", "embed", "kv_heads", "head_dim"), (3, 64, 2, 8), mesh) == P(None, "fsdp")
+    assert logical_to_spec(("batch", "length", "act_embed"), (8, 5, 64), mesh) == P(("data", "fsdp"))
     # A mesh axis of size 1 is dropped from the spec.
     assert logical_to_spec(("batch",), (8,), {"data": 1, "fsdp": 8, "tensor": 1}) == P("fsdp")
     with pytest.raises(KeyError, match="nonsense"):

@@ -11,8 +11,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
 
 from sem_jax.rl.loss import GRPOConfig, grpo_loss, token_logprobs
+from sem_jax.sharding import put
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,7 +69,13 @@ class GRPOTrainer:
         self._update = jax.jit(self._update_fn, donate_argnums=(0, 1))
 
     def init_opt_state(self, params):
-        return self.tx.init(params)
+        """Optimizer state placed as `update` returns it: optax makes the step count an
+        uncommitted scalar, and a committed one at step 2 would compile the update again."""
+        state = self.tx.init(params)
+        sharding = jax.tree.leaves(params)[0].sharding
+        replicated = (NamedSharding(sharding.mesh, PartitionSpec()) if isinstance(sharding, NamedSharding)
+                      else sharding)
+        return jax.tree.map(lambda x: x if getattr(x, "committed", True) else put(x, replicated), state)
 
     # -- pure functions -----------------------------------------------------------------
 
