@@ -60,6 +60,21 @@ def pack(pairs: Sequence[Pair], width: int, pad_id: int = 0) -> dict[str, np.nda
     return out
 
 
+def copy_pairs(token_ids: Sequence[int], count: int, seed: int, lengths: tuple[int, int] = (4, 19)) -> list[Pair]:
+    """`count` strings of random tokens (`lengths` inclusive), each followed by itself with only
+    the repeat trained: the copying ("induction") that pretraining gives a real model and that
+    looking something up needs (a name from the question into the query, an answer out of a
+    passage). A random-init model learns it here in a few hundred steps, and not from the
+    lookup traces in as many."""
+    rng = np.random.RandomState(seed)
+    ids = np.asarray(token_ids)
+    out = []
+    for _ in range(count):
+        x = ids[rng.randint(len(ids), size=rng.randint(lengths[0], lengths[1] + 1))].tolist()
+        out.append(([], [(x, False), (x, True)]))
+    return out
+
+
 def packed_batches(pairs: Sequence[Pair], steps: int, rows: int, width: int, seed: int,
                    pad_id: int = 0):
     """`steps` packed batches of exactly `rows` rows, walking seeded permutations of `pairs`
@@ -138,8 +153,14 @@ def warm_start(config, model: Qwen2, tokenizer, retriever, world, run_dir: str) 
                                max_tokens_per_passage=config.retrieval.max_tokens_per_passage,
                                system_prompt=config.system_prompt, seed=config.seed)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    if w.copy_steps:
+        special = set(tokenizer.all_special_ids)
+        words = [i for i in range(256, len(tokenizer)) if i not in special]  # past the byte alphabet
+        print(f"warm start: copying random token strings, {w.copy_steps} steps", flush=True)
+        supervised_finetune(model, copy_pairs(words, 20_000, config.seed), steps=w.copy_steps, lr=w.lr,
+                            rows=w.rows, seed=config.seed, pad_id=pad, log_every=max(1, w.copy_steps // 5))
     if w.lookup_steps:
-        # Lookups alone first: copying the question into the query and the answer out of the
+        # Lookups alone before the mix: copying the question into the query and the answer out of the
         # passage is the skill a tiny model is slowest to pick up amid everything else.
         lookups = traces(dataclasses.replace(world, known=[]), search_prob=(1.0, 1.0), copies=(0, w.lookup_copies))
         print(f"warm start: {len(lookups)} lookup traces, {w.lookup_steps} steps", flush=True)

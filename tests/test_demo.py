@@ -17,7 +17,7 @@ from sem_jax.model.tokenizer import train_bpe_tokenizer
 from sem_jax.retrieval import Retriever, format_results
 from sem_jax.rl.loss import token_logprobs
 from sem_jax.sem.parse import parse_response
-from sem_jax.sft import pack, packed_batches
+from sem_jax.sft import copy_pairs, pack, packed_batches
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMALL = WorldConfig(seed=3, rl_people=30, eval_people=10, warm_people=60)
@@ -126,6 +126,20 @@ def _write_metrics(run_dir, rows):
         fh.writelines(json.dumps(r) + "\n" for r in rows)
 
 
+def test_copy_pairs_train_only_the_repeat():
+    pairs = copy_pairs(range(300, 310), 200, seed=1, lengths=(3, 6))
+    assert len(pairs) == 200 and copy_pairs(range(300, 310), 200, seed=1, lengths=(3, 6)) == pairs
+    for prompt, [(first, f_trained), (second, s_trained)] in pairs:
+        assert prompt == [] and first == second and 3 <= len(first) <= 6 and set(first) <= set(range(300, 310))
+        assert not f_trained and s_trained
+    batch = pack(pairs[:3], 64)
+    # The mask covers exactly the repeats: each target under the mask is the token a copy predicts.
+    lengths = [len(p[1][0][0]) for p in pairs[:3]]
+    assert batch["mask"].sum() == sum(lengths)
+    rows = batch["targets"][0][batch["mask"][0] > 0].tolist()
+    assert rows == [t for p in pairs[:3] for t in p[1][1][0]]
+
+
 def test_demo_report_table_and_png(tmp_path):
     from sem_jax.demo_report import main, table
     ev = lambda step, sk, su, ek, eu: {"step": step, "split": "eval", "search_ratio/known": sk,
@@ -148,7 +162,7 @@ def test_demo_config_end_to_end_with_tiny_budgets(tmp_path):
     run = tmp_path / "demo"
     cmd = lambda steps: [
         sys.executable, "-m", "sem_jax.train", f"--config.run_dir={run}", "--config.warm_start.steps=30",
-        "--config.warm_start.lookup_steps=5",
+        "--config.warm_start.lookup_steps=5", "--config.warm_start.copy_steps=3",
         "--config.world.rl_people=16", "--config.world.eval_people=6", "--config.world.warm_people=40",
         f"--config.train.total_steps={steps}", "--config.train.ckpt_every=1", "--config.data.prompts_per_step=2",
         "--config.rollout.group_size=2", "--config.model.init.hidden_size=32",
@@ -156,7 +170,7 @@ def test_demo_config_end_to_end_with_tiny_budgets(tmp_path):
     env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")
     proc = subprocess.run(cmd(2), capture_output=True, text=True, timeout=600, cwd=REPO, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "lookup traces, 5 steps" in proc.stdout and "world: 62 people" in proc.stdout
+    assert "copying random token strings, 3 steps" in proc.stdout and "lookup traces, 5 steps" in proc.stdout and "world: 62 people" in proc.stdout
     assert sorted(os.listdir(run / "world")) == ["corpus.jsonl", "eval.jsonl", "train.jsonl"]
     assert (run / "warm_start" / "config.json").exists() and (run / "warm_start" / "tokenizer.json").exists()
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
