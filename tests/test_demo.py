@@ -170,7 +170,8 @@ def test_demo_config_end_to_end_with_tiny_budgets(tmp_path):
     env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")
     proc = subprocess.run(cmd(2), capture_output=True, text=True, timeout=600, cwd=REPO, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "copying random token strings, 3 steps" in proc.stdout and "lookup traces, 5 steps" in proc.stdout and "world: 62 people" in proc.stdout
+    assert "copying random token strings, 3 steps" in proc.stdout and "lookup traces, 5 steps" in proc.stdout
+    assert "world: 62 people" in proc.stdout
     assert sorted(os.listdir(run / "world")) == ["corpus.jsonl", "eval.jsonl", "train.jsonl"]
     assert (run / "warm_start" / "config.json").exists() and (run / "warm_start" / "tokenizer.json").exists()
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
