@@ -164,8 +164,8 @@ def check(config: ConfigDict, topology: str | None = None, hbm_gib: float | None
                                          key), prefill.output_shardings)
         table = jax.ShapeDtypeStruct((mcfg.vocab_size, STOP_STATES), jnp.int32)
         out.append(_compile("sampler decode loop", decode_loop.lower(
-            graphdef, params, state, table, jax.ShapeDtypeStruct((2,), jnp.int32), cfg=scfg,
-            max_steps=r.max_new_tokens))[0])
+            graphdef, params, state, table, jax.ShapeDtypeStruct((2,), jnp.int32),
+            jax.ShapeDtypeStruct((), jnp.int32), cfg=scfg, window=tp + r.max_new_tokens))[0])
     return out, hbm
 
 

@@ -110,10 +110,19 @@ def main(argv):
     from sem_jax.data.questions import load_questions
     from sem_jax.data.sources import load_source
     from sem_jax.builders import build_retriever
+    from sem_jax.data.synthetic import use_world_files, world_files
 
     config = _CONFIG.value
     if config is None:
         raise app.UsageError("--config is required (the model, retrieval and rollout settings)")
+    if config.world.enabled:  # the demo: the run's own synthetic world (questions and corpus)
+        run_dir = os.path.dirname(os.path.abspath(FLAGS.checkpoint.rstrip("/"))) if FLAGS.checkpoint \
+            else config.run_dir
+        paths = world_files(os.path.join(run_dir, "world"))
+        if not all(os.path.exists(p) for p in paths.values()):
+            raise app.UsageError(f"{run_dir}/world: no synthetic world (corpus, train, eval .jsonl); the "
+                                 "config has world.enabled, so evaluate a run that `sem_jax.train` wrote")
+        use_world_files(config, paths)
     model, tokenizer = load_policy(config, FLAGS.checkpoint, FLAGS.step, FLAGS.hf)
     if FLAGS.data:
         data = {}
@@ -127,7 +136,7 @@ def main(argv):
     eos = tuple(i for i in (tokenizer.eos_token_id,) if i is not None)
     stop = build_stop_automaton(tokenizer, vocab_size=model.config.vocab_size)
     sampler = Sampler(model, stop, SamplingConfig(max_new_tokens=config.rollout.max_new_tokens, greedy=True,
-                                                  eos_ids=eos))
+                                                  eos_ids=eos), window_steps=config.rollout.window_steps)
     cfg = RolloutConfig(group_size=1, max_searches=config.rollout.max_searches, top_k=config.retrieval.top_k,
                         max_tokens_per_passage=config.retrieval.max_tokens_per_passage)
     out = FLAGS.out or os.path.join(config.run_dir, "eval")

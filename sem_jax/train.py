@@ -29,7 +29,7 @@ from sem_jax.checkpoint import Checkpointer
 from sem_jax.builders import build_policy, build_retriever
 from sem_jax.data.mix import process_share
 from sem_jax.data.questions import load_questions
-from sem_jax.data.synthetic import build_world, summarize, world_config
+from sem_jax.data.synthetic import build_world, summarize, use_world_files, world_config
 from sem_jax.data.synthetic import texts as synthetic_texts
 from sem_jax.sft import warm_start
 from sem_jax.distributed import initialize as initialize_distributed
@@ -87,9 +87,7 @@ def train(config: ConfigDict) -> dict[str, float]:
     world = None
     if config.world.enabled:  # the CPU demo: generate (deterministically) and use the synthetic world
         world = build_world(world_config(config))
-        paths = world.write(os.path.join(run_dir, "world"))
-        config.data.train_file, config.data.eval_file = paths["train"], paths["eval"]
-        config.retrieval.corpus, config.retrieval.index_dir = paths["corpus"], None
+        use_world_files(config, world.write(os.path.join(run_dir, "world")))
         print(summarize(world), flush=True)
     if jax.process_index() == 0:
         with open(os.path.join(run_dir, "config.json"), "w") as fh:
@@ -149,9 +147,9 @@ def train(config: ConfigDict) -> dict[str, float]:
     calls = CallLog(config.train.debug_hosts)
     sampler = Sampler(model, stop, SamplingConfig(max_new_tokens=r.max_new_tokens, temperature=r.temperature,
                                                   top_p=r.top_p, top_k=r.top_k, eos_ids=eos), mesh=mesh,
-                      calls=calls)
+                      calls=calls, window_steps=r.window_steps)
     greedy = Sampler(model, stop, SamplingConfig(max_new_tokens=r.max_new_tokens, greedy=True, eos_ids=eos),
-                     mesh=mesh, calls=calls)
+                     mesh=mesh, calls=calls, window_steps=r.window_steps)
     rcfg = RolloutConfig(group_size=g, max_searches=r.max_searches, top_k=config.retrieval.top_k,
                          max_tokens_per_passage=config.retrieval.max_tokens_per_passage)
     writer = MetricWriter(run_dir)

@@ -33,10 +33,10 @@ class ScriptedPolicy(nnx.Module):
         self.dtype = jnp.float32
 
     def init_cache(self, batch, max_length, dtype=None):
-        z = jnp.zeros((1, batch, max_length, 1, 1), jnp.float32)
+        z = jnp.zeros((1, batch, 1, max_length, 1), jnp.float32)  # [layers, batch, kv_heads, slots, head_dim]
         return KVCache(k=z, v=z, lengths=jnp.zeros((batch,), jnp.int32))
 
-    def hidden_states(self, tokens, *, cache, num_new=None):
+    def hidden_states(self, tokens, *, cache, num_new=None, window=None):
         b, t = tokens.shape
         script = self.script[...]
         # Prefill runs on one row per prompt, decode on G rows per prompt: map rows.
@@ -50,6 +50,6 @@ class ScriptedPolicy(nnx.Module):
     def logits(self, hidden):
         return hidden
 
-    def extend(self, tokens, cache, num_new=None):
+    def extend(self, tokens, cache, num_new=None, window=None):
         hidden, cache = self.hidden_states(tokens, cache=cache, num_new=num_new)
         return self.logits(hidden), cache

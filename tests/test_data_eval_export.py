@@ -209,7 +209,7 @@ def test_export_and_evaluate_cli_on_a_trained_checkpoint(tmp_path):
     ev = tmp_path / "eval"
     proc = subprocess.run([sys.executable, "-m", "sem_jax.evaluate", "--config", "configs/demo_cpu.py",
                            f"--config.run_dir={run}", "--config.rollout.max_new_tokens=16",
-                           f"--checkpoint={run}/ckpt", "--limit=3", f"--out={ev}"],
+                           "--config.world.enabled=False", f"--checkpoint={run}/ckpt", "--limit=3", f"--out={ev}"],
                           capture_output=True, text=True, timeout=600, cwd=REPO, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = json.loads((ev / "results.json").read_text())

@@ -160,13 +160,14 @@ def test_demo_report_table_and_png(tmp_path):
 
 def test_demo_config_end_to_end_with_tiny_budgets(tmp_path):
     run = tmp_path / "demo"
+    small_model = ["--config.model.init.hidden_size=32", "--config.model.init.intermediate_size=64",
+                   "--config.model.init.num_layers=2"]
     cmd = lambda steps: [
         sys.executable, "-m", "sem_jax.train", f"--config.run_dir={run}", "--config.warm_start.steps=30",
         "--config.warm_start.lookup_steps=5", "--config.warm_start.copy_steps=3",
         "--config.world.rl_people=16", "--config.world.eval_people=6", "--config.world.warm_people=40",
         f"--config.train.total_steps={steps}", "--config.train.ckpt_every=1", "--config.data.prompts_per_step=2",
-        "--config.rollout.group_size=2", "--config.model.init.hidden_size=32",
-        "--config.model.init.intermediate_size=64", "--config.model.init.num_layers=2"]
+        "--config.rollout.group_size=2", *small_model]
     env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")
     proc = subprocess.run(cmd(2), capture_output=True, text=True, timeout=600, cwd=REPO, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -185,3 +186,11 @@ def test_demo_config_end_to_end_with_tiny_budgets(tmp_path):
                             timeout=300, cwd=REPO, env=env)
     assert report.returncode == 0, report.stderr[-2000:]
     assert "| warm start |" in report.stdout and "| after SEM (step 3) |" in report.stdout
+    # `sem_jax.evaluate` on the demo run asks the run's own held-out questions (its world).
+    ev = tmp_path / "eval"
+    proc = subprocess.run([sys.executable, "-m", "sem_jax.evaluate", "--config", "configs/demo_cpu.py", *small_model,
+                           f"--checkpoint={run}/ckpt", "--modes=policy", "--limit=4", f"--out={ev}"],
+                          capture_output=True, text=True, timeout=300, cwd=REPO, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    ids = lambda path: [json.loads(x)["id"] for x in path.read_text().splitlines()]
+    assert ids(ev / "predictions_policy_eval.jsonl") == ids(run / "world" / "eval.jsonl")[:4]

@@ -6,18 +6,24 @@ import numpy as np
 import pytest
 from policies import TINY, random_qwen2
 
+from sem_jax import hosts
 from sem_jax.sampling import Sampler, SamplingConfig, sample_tokens, stop_automaton_from_bytes
 
 # Token i is one lower-case letter: "</search>" can never appear.
 NO_STOP = stop_automaton_from_bytes([bytes([97 + i % 26]) for i in range(TINY.vocab_size)])
 
 
-def test_greedy_equals_argmax_loop_over_full_forward():
+@pytest.mark.parametrize("window_steps", [0, 1])
+def test_greedy_equals_argmax_loop_over_full_forward(window_steps):
+    """Also with the attention window grown in small steps (16, 24, 32, then the whole cache)."""
     model = random_qwen2()
     prompts = [[5, 17, 42], [9, 1, 2, 3, 4, 5, 6, 7, 8, 100], [33]]
-    steps = 12
-    sampler = Sampler(model, NO_STOP, SamplingConfig(max_new_tokens=steps, greedy=True))
+    steps = 24
+    sampler = Sampler(model, NO_STOP, SamplingConfig(max_new_tokens=steps, greedy=True),
+                      calls=hosts.CallLog(True), window_steps=window_steps)
     state = sampler.decode(sampler.start(prompts, 2, jax.random.key(0)))
+    windows = [c.split("[")[0] for c in sampler.calls.calls if c.startswith("decode")]
+    assert windows == (["decode@40"] if window_steps == 0 else ["decode@16", "decode@24", "decode@32", "decode@40"])
     resp, lens = np.asarray(state.resp), np.asarray(state.resp_len)
     assert (lens == steps).all() and np.asarray(state.done).all()
     forward = jax.jit(lambda m, t: m(t))
@@ -25,7 +31,7 @@ def test_greedy_equals_argmax_loop_over_full_forward():
         seq = list(p)
         for _ in range(steps):
             # Right padding to one width (one compile); causal, so padding cannot leak back.
-            padded = jnp.asarray([seq + [0] * (32 - len(seq))])
+            padded = jnp.asarray([seq + [0] * (48 - len(seq))])
             seq.append(int(np.argmax(np.asarray(forward(model, padded))[0, len(seq) - 1])))
         want = seq[len(p):]
         for g in range(2):
@@ -48,12 +54,14 @@ def test_eos_stops_row_and_group_copies_differ_when_sampling():
     assert len({tuple(resp[r, :lens[r]]) for r in range(8)}) > 1  # G copies sample independently
 
 
-def test_continuation_after_insertion_equals_full_forward():
-    """Tokens appended mid-sequence into the live cache: later logprobs == full forward."""
+@pytest.mark.parametrize("window_steps", [0, 3])
+def test_continuation_after_insertion_equals_full_forward(window_steps):
+    """Tokens appended mid-sequence into the live cache: later logprobs == full forward
+    (also when decode and insert read only a window of the cache)."""
     model = random_qwen2(2)
     prompts = [[7, 8, 9, 10], [11, 12]]
     sampler = Sampler(model, NO_STOP, SamplingConfig(max_new_tokens=30, temperature=1.0),
-                      max_steps_per_call=5)
+                      max_steps_per_call=5, window_steps=window_steps)
     state = sampler.decode(sampler.start(prompts, 1, jax.random.key(2)))
     assert np.asarray(state.resp_len).tolist() == [5, 5]
     state = sampler.insert(state, [[100, 101, 102], [150]])

@@ -79,7 +79,7 @@ class World:
     def write(self, directory: str) -> dict[str, str]:
         """corpus.jsonl, train.jsonl, eval.jsonl in `directory`; returns their paths."""
         os.makedirs(directory, exist_ok=True)
-        paths = {name: os.path.join(directory, f"{name}.jsonl") for name in ("corpus", "train", "eval")}
+        paths = world_files(directory)
         rows = {"corpus": self.corpus, "train": [_row(e) for e in self.train], "eval": [_row(e) for e in self.eval]}
         for name, path in paths.items():
             tmp = f"{path}.tmp{os.getpid()}"  # several processes may write the same (identical) world
@@ -87,6 +87,17 @@ class World:
                 fh.writelines(json.dumps(r) + "\n" for r in rows[name])
             os.replace(tmp, path)
         return paths
+
+
+def world_files(directory: str) -> dict[str, str]:
+    """Paths of a written world's corpus, train and eval files."""
+    return {name: os.path.join(directory, f"{name}.jsonl") for name in ("corpus", "train", "eval")}
+
+
+def use_world_files(config, paths: dict[str, str]) -> None:
+    """Point a config's data and retrieval at a written world (in place)."""
+    config.data.train_file, config.data.eval_file = paths["train"], paths["eval"]
+    config.retrieval.corpus, config.retrieval.index_dir = paths["corpus"], None
 
 
 def _row(e: Example) -> dict:

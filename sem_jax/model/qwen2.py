@@ -195,16 +195,17 @@ class Qwen2(nnx.Module):
         w = self.embed[...].T if self.config.tie_word_embeddings else self.lm_head[...]
         return w.astype(self.dtype)
 
-    def extend(self, tokens: jax.Array, cache: KVCache,
-               num_new: jax.Array | None = None) -> tuple[jax.Array, KVCache]:
+    def extend(self, tokens: jax.Array, cache: KVCache, num_new: jax.Array | None = None,
+               window: int | None = None) -> tuple[jax.Array, KVCache]:
         """Append `tokens` [B, T] to each row of `cache` at that row's own length.
 
         Row b's real tokens are `tokens[b, :num_new[b]]` (right padded); its cache
         length advances by `num_new[b]` (all T when None). Returns float32 logits
         [B, T, V] and the updated cache. Prefill (empty cache), one-token decode and
-        mid-sequence insertion of retrieved text are all this one call.
+        mid-sequence insertion of retrieved text are all this one call. `window`: see
+        `hidden_states`.
         """
-        hidden, cache = self.hidden_states(tokens, cache=cache, num_new=num_new)
+        hidden, cache = self.hidden_states(tokens, cache=cache, num_new=num_new, window=window)
         return self.logits(hidden), cache
 
     def init_cache(self, batch: int, max_length: int, dtype: Any = None) -> KVCache:
@@ -217,8 +218,13 @@ class Qwen2(nnx.Module):
 
     def hidden_states(self, tokens: jax.Array, *, attention_mask: jax.Array | None = None,
                       segment_ids: jax.Array | None = None, cache: KVCache | None = None,
-                      num_new: jax.Array | None = None) -> tuple[jax.Array, KVCache | None]:
+                      num_new: jax.Array | None = None,
+                      window: int | None = None) -> tuple[jax.Array, KVCache | None]:
         """Final-normed hidden states [B, T, E], and the updated cache when one is given.
+
+        `window` (static, with a cache): attention reads only the first `window` cache slots
+        (0: none, as in a prefill; None: all). The caller guarantees every row that matters
+        has at most `window` filled slots; the writes still go to the whole cache.
 
         `segment_ids` [B, T] (no cache): several sequences packed in one row, each a run of
         equal ids; a token sees only its own run, and positions restart at each run.
@@ -245,7 +251,8 @@ class Qwen2(nnx.Module):
             positions = cache.lengths[:, None] + idx[None, :]
             mask = jnp.broadcast_to(causal, (b, t, t))
             # Slot s holds position s; slots at or past a row's length are stale.
-            cache_mask = jnp.arange(cache.max_length, dtype=jnp.int32)[None, :] < cache.lengths[:, None]
+            window = cache.max_length if window is None else min(window, cache.max_length)
+            cache_mask = jnp.arange(window, dtype=jnp.int32)[None, :] < cache.lengths[:, None]
 
         x = self.embed[...].astype(self.dtype)[tokens]
         x = constrain(x, ("batch", "length", "act_embed"))
@@ -276,11 +283,15 @@ class Qwen2(nnx.Module):
             act = constrain(act.reshape(b, t, -1), ("batch", "length", "act_mlp"))
             x = x + jnp.dot(act.reshape(b * t, -1), p["down_kernel"]).reshape(b, t, e)
             x = constrain(x, ("batch", "length", "act_embed"))
-            return x, (None, None) if kc is None else (k, v)
+            return x, (None, None) if cache is None else (k, v)
 
         if self.remat != "none":
             layer = jax.checkpoint(layer, policy=REMAT_POLICIES[self.remat], prevent_cse=False)
-        kv_in = (cache.k, cache.v) if cache is not None else (None, None)
+        # Only the window is read (sliced once, before the layer loop): decode cost grows with
+        # the text, not with the cache preallocated for the whole response budget.
+        kv_in = (None, None)
+        if cache is not None and window:
+            kv_in = (cache.k[:, :, :, :window], cache.v[:, :, :, :window])
         x, (k_new, v_new) = jax.lax.scan(layer, x, (layer_params, *kv_in))
         x = rms_norm(x, self.final_norm[...], c.rms_norm_eps)
         if cache is None:

@@ -117,10 +117,10 @@ def _inverse_cdf(logp: jax.Array, key: jax.Array, width: int = 256) -> jax.Array
     return jnp.where(bad, jnp.argmax(logp, -1), tok).astype(jnp.int32)
 
 
-def _extend_last(model: Qwen2, tokens, cache, n) -> tuple[jax.Array, KVCache]:
+def _extend_last(model: Qwen2, tokens, cache, n, window: int) -> tuple[jax.Array, KVCache]:
     """Append ragged tokens; logits [B, V] at each row's last new token only (the LM head
     over every prompt position would be ~40% of a small model's prefill)."""
-    hidden, cache = model.hidden_states(tokens, cache=cache, num_new=n)
+    hidden, cache = model.hidden_states(tokens, cache=cache, num_new=n, window=window)
     last = jnp.take_along_axis(hidden, jnp.maximum(n - 1, 0)[:, None, None], 1)[:, 0]
     return model.logits(last), cache
 
@@ -130,7 +130,7 @@ def _prefill(graphdef, params, prompts, lengths, key, *, group_size: int, cache_
     model: Qwen2 = nnx.merge(graphdef, params)
     p = prompts.shape[0]
     cache = model.init_cache(p, cache_len, cache_dtype)
-    last, cache = _extend_last(model, prompts, cache, lengths)
+    last, cache = _extend_last(model, prompts, cache, lengths, window=0)  # nothing to read yet
     # Each prompt is prefilled once; its cache is copied to its G group members.
     rep = lambda x, axis: jnp.repeat(x, group_size, axis=axis)
     cache = KVCache(k=rep(cache.k, 1), v=rep(cache.v, 1), lengths=rep(cache.lengths, 0))
@@ -151,15 +151,16 @@ def _prefill(graphdef, params, prompts, lengths, key, *, group_size: int, cache_
     return SamplerState(cache=cache, key=key, **fields)
 
 
-def _decode(graphdef, params, state: SamplerState, stop_table, eos_ids, *,
-            cfg: SamplingConfig, max_steps: int) -> SamplerState:
-    """Decode until every row is done or paused (or `max_steps` steps)."""
+def _decode(graphdef, params, state: SamplerState, stop_table, eos_ids, max_steps, *,
+            cfg: SamplingConfig, window: int) -> tuple[SamplerState, jax.Array]:
+    """Decode until every row is done or paused, after `max_steps` steps, or before an active
+    row would read past the first `window` cache slots. Returns the state and `progress` after."""
     model: Qwen2 = nnx.merge(graphdef, params)
     rows = jnp.arange(state.resp.shape[0])
 
     def cond(carry):
         step, s = carry
-        return (step < max_steps) & jnp.any(s.active)
+        return (step < max_steps) & jnp.any(s.active) & ~jnp.any(s.active & (s.cache.lengths > window))
 
     def body(carry):
         step, s = carry
@@ -176,21 +177,28 @@ def _decode(graphdef, params, state: SamplerState, stop_table, eos_ids, *,
         eos = active & jnp.isin(tok, eos_ids)
         done = s.done | eos | (active & (resp_len >= s.resp.shape[1]))
         paused = s.paused | (active & ~done & ((code & 1) == 1))
-        logits, cache = model.extend(tok[:, None], s.cache, active.astype(jnp.int32))
+        logits, cache = model.extend(tok[:, None], s.cache, active.astype(jnp.int32), window=window)
         return step + 1, SamplerState(
             cache=cache, logits=jnp.where(active[:, None], logits[:, 0], s.logits), resp=resp,
             resp_logprob=resp_logprob, resp_sampled=resp_sampled, resp_len=resp_len,
             stop_state=stop_state, paused=paused, eos=s.eos | eos, done=done, key=key)
 
-    _, state = jax.lax.while_loop(cond, body, (jnp.int32(0), state))
-    return state
+    steps, state = jax.lax.while_loop(cond, body, (jnp.int32(0), state))
+    return state, _progress(state, steps)
 
 
-def _insert(graphdef, params, state: SamplerState, ids, n, end_rows) -> SamplerState:
+def _progress(state: SamplerState, steps=0) -> jax.Array:
+    """[steps, longest active row's cache length (-1: none active), longest row's]: what the
+    host needs to pick the next call's attention window, in one small transfer."""
+    lengths = state.cache.lengths
+    return jnp.stack([jnp.int32(steps), jnp.max(jnp.where(state.active, lengths, -1)), jnp.max(lengths)])
+
+
+def _insert(graphdef, params, state: SamplerState, ids, n, end_rows, *, window: int) -> SamplerState:
     """Append `ids[b, :n[b]]` to row b (cache and response, loss mask 0), unpause every row,
     and end the rows in `end_rows`."""
     model: Qwen2 = nnx.merge(graphdef, params)
-    last, cache = _extend_last(model, ids, state.cache, n)
+    last, cache = _extend_last(model, ids, state.cache, n, window)
     width = state.resp.shape[1]
     cols = state.resp_len[:, None] + jnp.arange(ids.shape[1])[None, :]
     cols = jnp.where(jnp.arange(ids.shape[1])[None, :] < n[:, None], cols, width)  # drop padding
@@ -210,16 +218,21 @@ def _insert(graphdef, params, state: SamplerState, ids, n, end_rows) -> SamplerS
 # state donated). Module-level so that compile-only checks can lower them without a Sampler.
 prefill_step = jax.jit(_prefill, static_argnums=0,
                        static_argnames=("group_size", "cache_len", "resp_len", "cache_dtype"))
-decode_loop = jax.jit(_decode, static_argnums=0, static_argnames=("cfg", "max_steps"), donate_argnums=2)
-insert_step = jax.jit(_insert, static_argnums=0, donate_argnums=2)
+decode_loop = jax.jit(_decode, static_argnums=0, static_argnames=("cfg", "window"), donate_argnums=2)
+insert_step = jax.jit(_insert, static_argnums=0, static_argnames="window", donate_argnums=2)
 any_paused = jax.jit(lambda state: jnp.any(state.paused))
+progress = jax.jit(_progress)
 
 
 class Sampler:
     """Batched sampler over a `Qwen2`: `start` (prefill), `decode`, `insert`.
 
-    Recompiles are bounded: prompt length and insert width are bucketed
-    (`bucket_length`); the batch size and response budget are fixed by the caller.
+    Recompiles are bounded: prompt length, insert width and the attention window are
+    bucketed (`bucket_length`); the batch size and response budget are fixed by the caller.
+
+    Attention reads only a window of the KV cache that grows with the longest row, in steps
+    of at least `window_steps` tokens (each window size compiles once); 0 reads the whole
+    cache (sized for the full response budget) at every step, with a single compile.
 
     With a `mesh`, rows are sharded over its batch axes and each process passes (and gets
     back, through `local`) only its own rows; widths are agreed between processes so that
@@ -228,7 +241,7 @@ class Sampler:
 
     def __init__(self, model: Qwen2, stop: StopAutomaton, cfg: SamplingConfig,
                  max_steps_per_call: int | None = None, mesh: jax.sharding.Mesh | None = None,
-                 calls: hosts.CallLog | None = None):
+                 calls: hosts.CallLog | None = None, window_steps: int = 32):
         self.graphdef, self.params = nnx.split(model)
         self.config = cfg
         self.mesh = mesh
@@ -242,6 +255,7 @@ class Sampler:
         self.stop_table = self._replicated(table[:vocab])
         self.eos_ids = self._replicated(np.array(cfg.eos_ids or [-1], np.int32))
         self.max_steps = max_steps_per_call or cfg.max_new_tokens
+        self.window_steps = window_steps
 
     def _replicated(self, x: np.ndarray | jax.Array) -> jax.Array:
         """`x` whole on every device of the mesh (as an array, as it is, without a mesh)."""
@@ -283,11 +297,26 @@ class Sampler:
                             group_size=group_size, cache_len=width + self.config.max_new_tokens,
                             resp_len=self.config.max_new_tokens, cache_dtype=self.cache_dtype)
 
+    def _window(self, state: SamplerState, need: int) -> int:
+        """Cache slots attention reads when rows hold up to `need` (a bucket, at most all)."""
+        full = state.cache.max_length
+        return full if not self.window_steps else min(full, bucket_length(need))
+
     def decode(self, state: SamplerState) -> SamplerState:
-        """Sample until every row is done or paused at a stop string. Donates `state`."""
-        self.calls.record("decode", state.resp)
-        return decode_loop(self.graphdef, self.params, state, self.stop_table, self.eos_ids,
-                           cfg=self.config, max_steps=self.max_steps)
+        """Sample until every row is done or paused at a stop string (or `max_steps_per_call`
+        steps). Donates `state`."""
+        _, top, _ = np.asarray(progress(state)).tolist()
+        left = self.max_steps
+        while top >= 0 and left > 0:  # a row is active
+            window = self._window(state, top + self.window_steps)
+            self.calls.record(f"decode@{window}", state.resp)
+            state, info = decode_loop(self.graphdef, self.params, state, self.stop_table, self.eos_ids,
+                                      self._replicated(np.int32(left)), cfg=self.config, window=window)
+            steps, top, _ = np.asarray(info).tolist()
+            if steps == 0:  # cannot happen with a window past the longest active row
+                raise RuntimeError(f"decode made no progress: window {window}, longest active row {top}")
+            left -= steps
+        return state
 
     def insert(self, state: SamplerState, blocks: Sequence[Sequence[int]],
                end_rows: Sequence[bool] | None = None) -> SamplerState:
@@ -301,6 +330,8 @@ class Sampler:
             ids[i, :len(blk)] = blk
             n[i] = len(blk)
         end = np.zeros(b, bool) if end_rows is None else np.asarray(end_rows, bool)
-        self.calls.record("insert", ids)
-        return insert_step(self.graphdef, self.params, state, self._rows(ids), self._rows(n), self._rows(end))
+        window = self._window(state, int(np.asarray(progress(state))[2]))
+        self.calls.record(f"insert@{window}", ids)
+        return insert_step(self.graphdef, self.params, state, self._rows(ids), self._rows(n), self._rows(end),
+                           window=window)
 
