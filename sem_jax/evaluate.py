@@ -83,6 +83,11 @@ def define_flags():
 FLAGS = flags.FLAGS
 
 
+def checkpoint_run_dir(checkpoint: str) -> str:
+    """The run directory that holds `checkpoint` (run_dir/ckpt)."""
+    return os.path.dirname(os.path.abspath(checkpoint.rstrip("/")))
+
+
 def load_policy(config, checkpoint: str | None, step: int | None, hf: str | None):
     """(model, tokenizer) from a HF directory or from a sem_jax checkpoint (params only)."""
     from sem_jax.checkpoint import Checkpointer
@@ -94,8 +99,7 @@ def load_policy(config, checkpoint: str | None, step: int | None, hf: str | None
         return from_pretrained(hf), load_tokenizer(hf)
     if not checkpoint:
         raise app.UsageError("give --checkpoint RUN/ckpt or --hf DIR")
-    run_dir = os.path.dirname(os.path.abspath(checkpoint.rstrip("/")))
-    model, tokenizer = build_policy(config, None, run_dir)
+    model, tokenizer = build_policy(config, None, checkpoint_run_dir(checkpoint))
     _, params = nnx.split(model)
     params, got = Checkpointer(checkpoint).restore_params(step, params)
     nnx.update(model, params)
@@ -116,8 +120,7 @@ def main(argv):
     if config is None:
         raise app.UsageError("--config is required (the model, retrieval and rollout settings)")
     if config.world.enabled:  # the demo: the run's own synthetic world (questions and corpus)
-        run_dir = os.path.dirname(os.path.abspath(FLAGS.checkpoint.rstrip("/"))) if FLAGS.checkpoint \
-            else config.run_dir
+        run_dir = checkpoint_run_dir(FLAGS.checkpoint) if FLAGS.checkpoint else config.run_dir
         paths = world_files(os.path.join(run_dir, "world"))
         if not all(os.path.exists(p) for p in paths.values()):
             raise app.UsageError(f"{run_dir}/world: no synthetic world (corpus, train, eval .jsonl); the "

@@ -330,7 +330,8 @@ class Sampler:
             ids[i, :len(blk)] = blk
             n[i] = len(blk)
         end = np.zeros(b, bool) if end_rows is None else np.asarray(end_rows, bool)
-        window = self._window(state, int(np.asarray(progress(state))[2]))
+        longest = int(np.asarray(progress(state))[2]) if self.window_steps else 0  # no sync without windows
+        window = self._window(state, longest)
         self.calls.record(f"insert@{window}", ids)
         return insert_step(self.graphdef, self.params, state, self._rows(ids), self._rows(n), self._rows(end),
                            window=window)
