@@ -8,7 +8,8 @@ On a GPU backend both sides run on the GPU (torch on cuda).
 Same random-weight Qwen2 in both (sem_jax loads the checkpoint transformers wrote),
 same prompts, greedy and sampled, every row generating exactly the same number of
 tokens (no EOS). Compile time is reported apart; timed runs follow a warm-up.
-Also the same greedy tokens under a 1024-token response budget, attention over a growing
+Also greedy with per-layer weights and KV cache (the CPU default) against the stacked layers
+under a scan; the same greedy tokens under a 1024-token response budget, attention over a growing
 window of the KV cache (the default) against the whole preallocated cache; and the cost of
 pausing: the same generated tokens with 2 search pauses per row (full rollout host loop:
 parse, one retriever call per round, tokenize, append-prefill).
@@ -153,21 +154,31 @@ def bench_shape(name, spec, repeats, dtype, save_dir=None):
         print(f"[{name}] {mode:8s} sem_jax {tokens / ours:9.1f} tok/s | HF generate {tokens / theirs:9.1f} tok/s"
               f" | x{theirs / ours:.2f} | first call (compile) {compile_s:.1f}s", flush=True)
 
-    # Budgets are sized for the longest response and most rows end far sooner: the same greedy
-    # tokens with a 1024-token budget (every row stopped after `new` steps), attention reading a
-    # window that grows with the text (the default) against reading the whole preallocated cache.
-    long = {}
-    for label, ws in (("window", 32), ("whole_cache", 0)):
-        sampler = Sampler(model, never, SamplingConfig(max_new_tokens=LONG_BUDGET, greedy=True),
-                          max_steps_per_call=new, window_steps=ws)
+    def greedy_tok_s(budget, **sampler_kw):
+        """Greedy tokens/s, every row stopped after `new` steps, of a Sampler with these options."""
+        sampler = Sampler(model, never, SamplingConfig(max_new_tokens=budget, greedy=True),
+                          max_steps_per_call=new, **sampler_kw)
 
-        def run_long():
+        def run_greedy():
             state = sampler.decode(sampler.start(prompts.tolist(), 1, jax.random.key(0)))
             jax.block_until_ready(state.resp)
             assert int(state.resp_len.min()) == new
 
-        run_long()
-        long[label] = b * new / _timed(run_long, repeats)
+        run_greedy()
+        return b * new / _timed(run_greedy, repeats)
+
+    # Each layer's weights and KV cache as arrays of their own (the CPU default) against the
+    # stacked ones under the layer scan, whose slices XLA:CPU copies at every step.
+    layers = {label: greedy_tok_s(new, per_layer=pl) for label, pl in (("per_layer", True), ("stacked", False))}
+    rows["layers"] = dict(per_layer_tok_s=layers["per_layer"], stacked_tok_s=layers["stacked"],
+                          per_layer_speedup=layers["per_layer"] / layers["stacked"])
+    print(f"[{name}] greedy, per-layer weights and cache {layers['per_layer']:9.1f} tok/s | stacked (scan) "
+          f"{layers['stacked']:9.1f} tok/s | x{layers['per_layer'] / layers['stacked']:.2f}", flush=True)
+
+    # Budgets are sized for the longest response and most rows end far sooner: the same greedy
+    # tokens with a 1024-token budget, attention reading a window that grows with the text
+    # (the default) against reading the whole preallocated cache.
+    long = {label: greedy_tok_s(LONG_BUDGET, window_steps=ws) for label, ws in (("window", 32), ("whole_cache", 0))}
     rows["long_budget"] = dict(budget=LONG_BUDGET, window_tok_s=long["window"], whole_cache_tok_s=long["whole_cache"],
                                window_speedup=long["window"] / long["whole_cache"],
                                vs_hf_generate=long["window"] / rows["greedy"]["hf_generate_tok_s"])

@@ -155,16 +155,16 @@ def check(config: ConfigDict, topology: str | None = None, hbm_gib: float | None
         key = jax.eval_shape(lambda: jax.random.key(0))
         static = dict(group_size=g, cache_len=tp + r.max_new_tokens, resp_len=r.max_new_tokens, cache_dtype=compute)
         prompts, lengths = arr((p, tp), jnp.int32), arr((p,), jnp.int32)
-        row, prefill = _compile("sampler prefill", prefill_step.lower(graphdef, params, prompts, lengths, key,
-                                                                      **static))
+        row, prefill = _compile("sampler prefill", prefill_step.lower(graphdef, params, None, prompts, lengths,
+                                                                      key, **static))
         out.append(row)
         if prefill is None:  # the decode loop's input state comes from the prefill
             return out, hbm
-        state = _abstract(jax.eval_shape(lambda *a: prefill_step(graphdef, *a, **static), params, prompts, lengths,
-                                         key), prefill.output_shardings)
+        state = _abstract(jax.eval_shape(lambda *a: prefill_step(graphdef, *a, **static), params, None, prompts,
+                                         lengths, key), prefill.output_shardings)
         table = jax.ShapeDtypeStruct((mcfg.vocab_size, STOP_STATES), jnp.int32)
         out.append(_compile("sampler decode loop", decode_loop.lower(
-            graphdef, params, state, table, jax.ShapeDtypeStruct((2,), jnp.int32),
+            graphdef, params, None, state, table, jax.ShapeDtypeStruct((2,), jnp.int32),
             jax.ShapeDtypeStruct((), jnp.int32), cfg=scfg, window=tp + r.max_new_tokens))[0])
     return out, hbm
 

@@ -40,7 +40,7 @@ from sem_jax.model import Qwen2Config
 from sem_jax.rl.advantages import group_advantages
 from sem_jax.rl.batch import batch_width, build_batch
 from sem_jax.rl.loss import GRPOConfig
-from sem_jax.rl.trainer import GRPOTrainer, OptimConfig
+from sem_jax.rl.trainer import GRPOTrainer, OptimConfig, learning_rate
 from sem_jax.sampling import RolloutConfig, Sampler, SamplingConfig, build_stop_automaton, rollout
 from sem_jax.sem.parse import parse_response
 from sem_jax.sem.reward import CASES, RewardParams, get_reward
@@ -209,6 +209,7 @@ def train(config: ConfigDict) -> dict[str, float]:
             params, opt_state, m = trainer.update(params, opt_state, batch, ref_lp)
             m = jax.device_get(m)
             t_update = time.perf_counter() - t0
+        lr = float(learning_rate(optim)(step - skipped_total))  # optax counts applied updates only
         skipped_total += int(m["skipped"])
         calls.check(f"step {step + 1}")
         # Metrics over every process's trajectories.
@@ -222,7 +223,7 @@ def train(config: ConfigDict) -> dict[str, float]:
         dt = time.perf_counter() - t_step
         metrics = {"reward/mean": float(np.mean(rewards)), "reward/std": float(np.std(rewards)),
                    **{f"reward/case_{c}": cases.count(c) / len(cases) for c in CASES if c in cases},
-                   "loss": float(m["loss"]), "kl": float(m["kl"]), "entropy": float(m["entropy"]),
+                   "loss": float(m["loss"]), "lr": lr, "kl": float(m["kl"]), "entropy": float(m["entropy"]),
                    "clip_frac": float(m["clip_frac"]), "grad_norm": float(m["grad_norm"]),
                    "skipped_steps": skipped_total, "sampler_gap": float(m["sampler_gap"]),
                    "adv/abs_mean": float(np.abs(adv).mean()),

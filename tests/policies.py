@@ -32,11 +32,15 @@ class ScriptedPolicy(nnx.Module):
                                   num_layers=1, num_heads=1, num_kv_heads=1)
         self.dtype = jnp.float32
 
-    def init_cache(self, batch, max_length, dtype=None):
-        z = jnp.zeros((1, batch, 1, max_length, 1), jnp.float32)  # [layers, batch, kv_heads, slots, head_dim]
+    def init_cache(self, batch, max_length, dtype=None, per_layer=False):
+        z = jnp.zeros((batch, 1, max_length, 1), jnp.float32)  # [batch, kv_heads, slots, head_dim]
+        z = (z,) if per_layer else z[None]  # one layer
         return KVCache(k=z, v=z, lengths=jnp.zeros((batch,), jnp.int32))
 
-    def hidden_states(self, tokens, *, cache, num_new=None, window=None):
+    def layer_list(self):
+        return [{}]
+
+    def hidden_states(self, tokens, *, cache, num_new=None, window=None, layers=None):
         b, t = tokens.shape
         script = self.script[...]
         # Prefill runs on one row per prompt, decode on G rows per prompt: map rows.
@@ -50,6 +54,6 @@ class ScriptedPolicy(nnx.Module):
     def logits(self, hidden):
         return hidden
 
-    def extend(self, tokens, cache, num_new=None, window=None):
+    def extend(self, tokens, cache, num_new=None, window=None, layers=None):
         hidden, cache = self.hidden_states(tokens, cache=cache, num_new=num_new)
         return self.logits(hidden), cache

@@ -55,6 +55,18 @@ def test_world_is_deterministic_split_and_answerable_only_from_the_corpus(world)
         assert e.question in (PHRASINGS[e.id.split("-")[0].rstrip("0123456789")][k].format(p=p) for k in (0, 1))
 
 
+@pytest.mark.parametrize("seed", range(6))
+def test_held_out_sums_answers_are_also_rl_answers(seed):
+    cfg = WorldConfig(seed=seed, rl_people=30, eval_people=10, warm_people=60)
+    w = build_world(cfg)
+    sums = lambda xs: {e.id[:-2]: e.answers[0] for e in xs if e.kind == "math"}
+    held, rl = sums(w.eval), sums(w.train)
+    assert held and set(held.values()) <= set(rl.values())
+    # The share of known facts held out is still the configured one.
+    n_items = cfg.sum_max ** 2 + cfg.countries
+    assert len({e.id for e in w.eval if e.source == "known"}) == 2 * round(n_items * cfg.eval_fraction_known)
+
+
 def test_warm_start_traces_are_rollout_shaped_and_correct(world):
     tok = train_bpe_tokenizer(texts(world), 400)
     retriever = Retriever.build(world.corpus, show_progress=False)

@@ -189,3 +189,27 @@ def test_update_compiles_once(sharded):
         params, opt, metrics = trainer.update(params, opt, batch)
     assert int(metrics["skipped"]) == 0
     assert trainer._update._cache_size() == 1
+
+
+@pytest.mark.parametrize("schedule,warmup,expected", [
+    # Hand-computed: cosine 0.5 * (1 + cos(pi * t / 4)); warmup ramps linearly from 0.
+    ("cosine", 0, [1.0, 0.853553, 0.5, 0.146447, 0.0]),
+    ("cosine", 2, [0.0, 0.5, 1.0, 0.5, 0.0]),
+    ("constant", 0, [1.0, 1.0, 1.0, 1.0, 1.0]),
+    ("constant", 2, [0.0, 0.5, 1.0, 1.0, 1.0]),
+])
+def test_learning_rate_schedule_and_the_steps_adamw_takes(schedule, warmup, expected):
+    from sem_jax.rl.trainer import learning_rate, make_optimizer
+    cfg = OptimConfig(lr=1.0, schedule=schedule, warmup_steps=warmup, total_steps=4, weight_decay=0.0)
+    np.testing.assert_allclose([float(learning_rate(cfg)(t)) for t in range(5)], expected, atol=1e-6)
+    # With a constant gradient Adam's bias-corrected direction is sign(g): each step moves every
+    # parameter by exactly the scheduled rate.
+    tx = make_optimizer(cfg)
+    params = {"w": jnp.zeros(2)}
+    state = tx.init(params)
+    grads = {"w": jnp.array([0.3, -0.4])}
+    for t in range(4):
+        updates, state = tx.update(grads, state, params)
+        np.testing.assert_allclose(np.asarray(updates["w"]), [-expected[t], expected[t]], atol=1e-5)
+    with pytest.raises(ValueError, match="schedule='linear'"):
+        learning_rate(OptimConfig(schedule="linear"))

@@ -3,6 +3,7 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from flax import nnx
 
 from sem_jax.model import Qwen2, Qwen2Config
@@ -20,7 +21,9 @@ def _random_model(seed=0):
     return model
 
 
-def test_ragged_prefill_then_decode_matches_full_forward():
+@pytest.mark.parametrize("per_layer", [False, True])
+def test_ragged_prefill_then_decode_matches_full_forward(per_layer):
+    """Stacked layers under the scan, or each layer's weights and cache as arrays of their own."""
     model = _random_model()
     rng = np.random.RandomState(0)
     lens = np.array([5, 9, 3, 7])
@@ -30,8 +33,9 @@ def test_ragged_prefill_then_decode_matches_full_forward():
     for b, n in enumerate(lens):
         prompt[b, :n] = seqs[b][:n]
 
-    extend = jax.jit(lambda m, t, c, n: m.extend(t, c, n))
-    cache = model.init_cache(len(lens), 32)
+    extend = jax.jit(lambda m, t, c, n: m.extend(t, c, n, layers=m.layer_list() if per_layer else None))
+    cache = model.init_cache(len(lens), 32, per_layer=per_layer)
+    assert cache.per_layer == per_layer and cache.max_length == 32
     logits, cache = extend(model, jnp.asarray(prompt), cache, jnp.asarray(lens))
     np.testing.assert_array_equal(np.asarray(cache.lengths), lens)
     got = {b: [np.asarray(logits[b, :n])] for b, n in enumerate(lens)}
@@ -84,3 +88,12 @@ def test_attention_mask_left_padding_matches_unpadded():
     got = np.asarray(model(jnp.asarray(padded), attention_mask=jnp.asarray(mask)))[0, 3:]
     want = np.asarray(model(jnp.asarray(seq[None])))[0]
     np.testing.assert_allclose(got, want, atol=1e-4)
+
+
+def test_per_layer_cache_and_weights_go_together():
+    model = _random_model()
+    tok = jnp.zeros((2, 3), jnp.int32)
+    with pytest.raises(ValueError, match="per-layer KV cache goes with per-layer weights"):
+        model.extend(tok, model.init_cache(2, 8, per_layer=True))
+    with pytest.raises(ValueError, match="need a per-layer KV cache"):
+        model.extend(tok, model.init_cache(2, 8), layers=model.layer_list())

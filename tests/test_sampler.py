@@ -13,15 +13,17 @@ from sem_jax.sampling import Sampler, SamplingConfig, sample_tokens, stop_automa
 NO_STOP = stop_automaton_from_bytes([bytes([97 + i % 26]) for i in range(TINY.vocab_size)])
 
 
-@pytest.mark.parametrize("window_steps", [0, 1])
-def test_greedy_equals_argmax_loop_over_full_forward(window_steps):
-    """Also with the attention window grown in small steps (16, 24, 32, then the whole cache)."""
+@pytest.mark.parametrize("window_steps,per_layer", [(0, False), (1, True)])
+def test_greedy_equals_argmax_loop_over_full_forward(window_steps, per_layer):
+    """Also with the attention window grown in small steps (16, 24, 32, then the whole cache),
+    with the stacked layers (scanned) and with per-layer weights and cache."""
     model = random_qwen2()
     prompts = [[5, 17, 42], [9, 1, 2, 3, 4, 5, 6, 7, 8, 100], [33]]
     steps = 24
     sampler = Sampler(model, NO_STOP, SamplingConfig(max_new_tokens=steps, greedy=True),
-                      calls=hosts.CallLog(True), window_steps=window_steps)
+                      calls=hosts.CallLog(True), window_steps=window_steps, per_layer=per_layer)
     state = sampler.decode(sampler.start(prompts, 2, jax.random.key(0)))
+    assert isinstance(state.cache.k, tuple) == per_layer
     windows = [c.split("[")[0] for c in sampler.calls.calls if c.startswith("decode")]
     assert windows == (["decode@40"] if window_steps == 0 else ["decode@16", "decode@24", "decode@32", "decode@40"])
     resp, lens = np.asarray(state.resp), np.asarray(state.resp_len)
@@ -54,14 +56,14 @@ def test_eos_stops_row_and_group_copies_differ_when_sampling():
     assert len({tuple(resp[r, :lens[r]]) for r in range(8)}) > 1  # G copies sample independently
 
 
-@pytest.mark.parametrize("window_steps", [0, 3])
-def test_continuation_after_insertion_equals_full_forward(window_steps):
+@pytest.mark.parametrize("window_steps,per_layer", [(0, True), (3, False), (3, True)])
+def test_continuation_after_insertion_equals_full_forward(window_steps, per_layer):
     """Tokens appended mid-sequence into the live cache: later logprobs == full forward
-    (also when decode and insert read only a window of the cache)."""
+    (also when decode and insert read only a window of the cache; stacked or per-layer)."""
     model = random_qwen2(2)
     prompts = [[7, 8, 9, 10], [11, 12]]
     sampler = Sampler(model, NO_STOP, SamplingConfig(max_new_tokens=30, temperature=1.0),
-                      max_steps_per_call=5, window_steps=window_steps)
+                      max_steps_per_call=5, window_steps=window_steps, per_layer=per_layer)
     state = sampler.decode(sampler.start(prompts, 1, jax.random.key(2)))
     assert np.asarray(state.resp_len).tolist() == [5, 5]
     state = sampler.insert(state, [[100, 101, 102], [150]])

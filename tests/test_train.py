@@ -82,6 +82,8 @@ def test_three_steps_then_kill_and_resume_exactly(warm_model, tmp_path):
     for x in train_lines:
         assert all(np.isfinite(v) for k, v in x.items() if k != "split")
     assert any(x["grad_norm"] > 0 for x in train_lines)  # rewards varied: real updates
+    # The demo config's cosine decay over 3 steps: 0.5 * (1 + cos(pi * t / 3)) of lr 0.003.
+    np.testing.assert_allclose([x["lr"] for x in train_lines], [0.003, 0.00225, 0.00075], rtol=1e-5)
     assert any(x["kl"] > 0 for x in train_lines[1:])     # the reference pass ran
     assert any(f.startswith("events.out.tfevents") for f in os.listdir(a / "tb"))
     assert json.loads((a / "config.json").read_text())["rl"]["beta"] == 0.04

@@ -8,7 +8,8 @@ between what a tiny model can know and what it must look up.
   work for) and two hops (where was P's organisation founded). RL-train and eval questions are
   about disjoint people.
 * *Known* questions (source "known", like MMLU): single-digit sums and the capitals of invented
-  countries. The warm start teaches all of them; RL-train and eval use disjoint subsets.
+  countries. The warm start teaches all of them; RL-train and eval use disjoint subsets, and
+  every held-out sum's answer is also the answer of an RL sum.
 
 Every question comes in one of two phrasings. The warm-start traces (`warm_start_pairs`)
 search after 80% of questions in phrasing A and 20% in phrasing B, known or not: a habit
@@ -169,11 +170,19 @@ def build_world(cfg: WorldConfig = WorldConfig()) -> World:
     items += [("capital", f"capital{i}", cap, {"c": c}, "qa") for i, (c, cap) in enumerate(zip(countries, capitals))]
     n_eval_known = int(round(len(items) * cfg.eval_fraction_known))
     known, rl_known, eval_known = [], [], []
-    for rank, j in enumerate(rng.permutation(len(items))):
+    held: set[int] = set()
+    for j in rng.permutation(len(items)):
         kind, qid, answer, fmt, ex_kind = items[j]
         both = [q(qid, kind, answer, "known", style, fmt, ex_kind) for style in (0, 1)]
         known += both
-        (eval_known if rank < n_eval_known else rl_known).extend(both)
+        # A sum is held out only while another sum with its answer stays in RL (as MMLU's option
+        # letters all occur in training): GRPO sees an answer it never rewards only as a sampled
+        # wrong one and learns to avoid it everywhere (measured: held-out 1 + 1 forgotten).
+        partner = kind != "sum" or any(i != j and i not in held and items[i][0] == "sum" and items[i][2] == answer
+                                       for i in range(len(items)))
+        if len(held) < n_eval_known and partner:
+            held.add(j)
+        (eval_known if j in held else rl_known).extend(both)
 
     # Balanced, as SEM mixes MuSiQue and MMLU: as many unknown as known RL questions.
     shuffle = lambda xs: [xs[i] for i in rng.permutation(len(xs))]

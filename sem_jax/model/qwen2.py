@@ -42,6 +42,7 @@ REMAT_POLICIES = {
 }
 
 CACHE_AXES = ("layers", "batch", "act_kv_heads", "cache_length", "head_dim")
+LAYER_CACHE_AXES = CACHE_AXES[1:]  # one layer's cache (a per-layer cache, see KVCache)
 
 
 @jax.tree_util.register_dataclass
@@ -51,15 +52,23 @@ class KVCache:
 
     `lengths[b]` is how many positions of row `b` are filled; each row advances
     on its own, so prompts of different lengths share one batch.
+
+    Stacked (one [layers, batch, kv_heads, max_length, head_dim] array, read under the layer
+    scan) or per layer (a tuple of [batch, kv_heads, max_length, head_dim] arrays, for
+    `hidden_states(layers=...)`).
     """
 
-    k: jax.Array  # [layers, batch, kv_heads, max_length, head_dim]
-    v: jax.Array
+    k: jax.Array | tuple[jax.Array, ...]
+    v: jax.Array | tuple[jax.Array, ...]
     lengths: jax.Array  # [batch] int32
 
     @property
+    def per_layer(self) -> bool:
+        return isinstance(self.k, tuple)
+
+    @property
     def max_length(self) -> int:
-        return self.k.shape[3]
+        return (self.k[0] if self.per_layer else self.k).shape[-2]
 
 
 def _layer_shapes(cfg: Qwen2Config) -> dict[str, tuple[int, ...]]:
@@ -108,25 +117,26 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     return out.astype(x.dtype)
 
 
-def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
+def attention(q: jax.Array, k: jax.Array | None, v: jax.Array | None, mask: jax.Array | None,
               cache: tuple[jax.Array, jax.Array, jax.Array] | None = None) -> jax.Array:
     """Grouped-query attention of q [B,T,H,D] over this call's keys k/v [B,T,K,D]
     (mask [B,T,T], True = attend) and, when given, a read-only cache
-    (k_cache [B,K,S,D], v_cache [B,K,S,D], cache_mask [B,S]).
+    (k_cache [B,K,S,D], v_cache [B,K,S,D], cache_mask [B,S] or [B,T,S]).
 
-    The cache is only read here: the caller writes the new keys once per step, after
-    all layers, so no layer copies the cache.
+    k = v = mask = None: the cache already holds this call's keys (cache_mask [B,T,S]).
+    The cache is only read here, so attention never copies it.
     """
     b, t, h, d = q.shape
-    kv = k.shape[2]
+    kv = k.shape[2] if k is not None else cache[0].shape[1]
     q = q.reshape(b, t, kv, h // kv, d)
     neg = jnp.finfo(jnp.float32).min
     scale = d ** -0.5
-    scores = jnp.einsum("btkgd,bskd->bkgts", q, k, preferred_element_type=jnp.float32) * scale
-    scores = jnp.where(mask[:, None, None, :, :], scores, neg)
-    if cache is None:
-        probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-        return jnp.einsum("bkgts,bskd->btkgd", probs, v).reshape(b, t, h, d)
+    if k is not None:
+        scores = jnp.einsum("btkgd,bskd->bkgts", q, k, preferred_element_type=jnp.float32) * scale
+        scores = jnp.where(mask[:, None, None, :, :], scores, neg)
+        if cache is None:
+            probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+            return jnp.einsum("bkgts,bskd->btkgd", probs, v).reshape(b, t, h, d)
     k_cache, v_cache, cache_mask = cache
     s = k_cache.shape[2]
     if t == 1:
@@ -136,15 +146,18 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
         old = jnp.sum(q1[:, :, :, None, :] * k_cache[:, :, None, :, :], axis=-1)[:, :, :, None, :]
     else:
         old = jnp.einsum("btkgd,bksd->bkgts", q, k_cache, preferred_element_type=jnp.float32)
-    old = jnp.where(cache_mask[:, None, None, None, :], old * scale, neg)
-    probs = jax.nn.softmax(jnp.concatenate([old, scores], axis=-1), axis=-1)
-    p_old, p_new = probs[..., :s], probs[..., s:].astype(v.dtype)
+    cm = cache_mask[:, None, None, None, :] if cache_mask.ndim == 2 else cache_mask[:, None, None, :, :]
+    old = jnp.where(cm, old * scale, neg)
+    probs = jax.nn.softmax(old if k is None else jnp.concatenate([old, scores], axis=-1), axis=-1)
+    p_old = probs[..., :s]
     if t == 1:
         out_old = jnp.sum(p_old[:, :, :, 0, :, None] * v_cache[:, :, None, :, :], axis=-2)[:, None]
-        out_old = out_old.astype(v.dtype)
+        out_old = out_old.astype(v_cache.dtype)
     else:
-        out_old = jnp.einsum("bkgts,bksd->btkgd", p_old.astype(v.dtype), v_cache)
-    out = out_old + jnp.einsum("bkgts,bskd->btkgd", p_new, v)
+        out_old = jnp.einsum("bkgts,bksd->btkgd", p_old.astype(v_cache.dtype), v_cache)
+    if k is None:
+        return out_old.reshape(b, t, h, d)
+    out = out_old + jnp.einsum("bkgts,bskd->btkgd", probs[..., s:].astype(v.dtype), v)
     return out.reshape(b, t, h, d)
 
 
@@ -196,40 +209,57 @@ class Qwen2(nnx.Module):
         return w.astype(self.dtype)
 
     def extend(self, tokens: jax.Array, cache: KVCache, num_new: jax.Array | None = None,
-               window: int | None = None) -> tuple[jax.Array, KVCache]:
+               window: int | None = None, layers: list[dict[str, jax.Array]] | None = None
+               ) -> tuple[jax.Array, KVCache]:
         """Append `tokens` [B, T] to each row of `cache` at that row's own length.
 
         Row b's real tokens are `tokens[b, :num_new[b]]` (right padded); its cache
         length advances by `num_new[b]` (all T when None). Returns float32 logits
         [B, T, V] and the updated cache. Prefill (empty cache), one-token decode and
-        mid-sequence insertion of retrieved text are all this one call. `window`: see
-        `hidden_states`.
+        mid-sequence insertion of retrieved text are all this one call. `window` and `layers`:
+        see `hidden_states`.
         """
-        hidden, cache = self.hidden_states(tokens, cache=cache, num_new=num_new, window=window)
+        hidden, cache = self.hidden_states(tokens, cache=cache, num_new=num_new, window=window, layers=layers)
         return self.logits(hidden), cache
 
-    def init_cache(self, batch: int, max_length: int, dtype: Any = None) -> KVCache:
+    def init_cache(self, batch: int, max_length: int, dtype: Any = None, per_layer: bool = False) -> KVCache:
         c = self.config
-        shape = (c.num_layers, batch, c.num_kv_heads, max_length, c.head_dim)
+        shape = (batch, c.num_kv_heads, max_length, c.head_dim)
         dtype = dtype or self.dtype
-        return KVCache(k=constrain(jnp.zeros(shape, dtype), CACHE_AXES),
-                       v=constrain(jnp.zeros(shape, dtype), CACHE_AXES),
-                       lengths=jnp.zeros((batch,), jnp.int32))
+        if per_layer:
+            zeros = lambda: tuple(constrain(jnp.zeros(shape, dtype), LAYER_CACHE_AXES) for _ in range(c.num_layers))
+        else:
+            zeros = lambda: constrain(jnp.zeros((c.num_layers, *shape), dtype), CACHE_AXES)
+        return KVCache(k=zeros(), v=zeros(), lengths=jnp.zeros((batch,), jnp.int32))
+
+    def layer_list(self) -> list[dict[str, jax.Array]]:
+        """Each layer's weights as arrays of their own, for `hidden_states(layers=...)`."""
+        return [{name: p[...][i] for name, p in self.layers.items()} for i in range(self.config.num_layers)]
 
     def hidden_states(self, tokens: jax.Array, *, attention_mask: jax.Array | None = None,
                       segment_ids: jax.Array | None = None, cache: KVCache | None = None,
-                      num_new: jax.Array | None = None,
-                      window: int | None = None) -> tuple[jax.Array, KVCache | None]:
+                      num_new: jax.Array | None = None, window: int | None = None,
+                      layers: list[dict[str, jax.Array]] | None = None) -> tuple[jax.Array, KVCache | None]:
         """Final-normed hidden states [B, T, E], and the updated cache when one is given.
 
         `window` (static, with a cache): attention reads only the first `window` cache slots
         (0: none, as in a prefill; None: all). The caller guarantees every row that matters
-        has at most `window` filled slots; the writes still go to the whole cache.
+        has at most `window` filled slots, and with a per-layer cache also room for this
+        call's tokens (written before they are read); the writes still go to the whole cache.
 
         `segment_ids` [B, T] (no cache): several sequences packed in one row, each a run of
         equal ids; a token sees only its own run, and positions restart at each run.
+
+        `layers` (from `layer_list`, with a per-layer cache or none): run the layers one by one
+        on these weights instead of scanning the stacked ones. Under the scan XLA:CPU copies
+        each layer's weights and cache window before using them, at every decode step; arrays
+        of their own are read in place. Each layer writes this call's keys into its cache and
+        then reads the window: a read before the write made XLA:CPU copy the whole cache.
         """
         c = self.config
+        if cache is not None and cache.per_layer != (layers is not None):
+            raise ValueError("a per-layer KV cache goes with per-layer weights (layers=model.layer_list())"
+                             if cache.per_layer else "per-layer weights need a per-layer KV cache (init_cache(per_layer=True))")
         b, t = tokens.shape
         idx = jnp.arange(t, dtype=jnp.int32)
         causal = idx[None, :, None] >= idx[None, None, :]
@@ -252,12 +282,17 @@ class Qwen2(nnx.Module):
             mask = jnp.broadcast_to(causal, (b, t, t))
             # Slot s holds position s; slots at or past a row's length are stale.
             window = cache.max_length if window is None else min(window, cache.max_length)
-            cache_mask = jnp.arange(window, dtype=jnp.int32)[None, :] < cache.lengths[:, None]
+            slots = jnp.arange(window, dtype=jnp.int32)
+            if layers is None:  # the cache before this call's keys
+                cache_mask = slots[None, :] < cache.lengths[:, None]
+            else:  # this call's keys written first: token j sees slots up to its own position
+                if window < t:
+                    raise ValueError(f"window={window} cannot hold this call's {t} tokens (per-layer cache)")
+                cache_mask = slots[None, None, :] <= positions[:, :, None]
 
         x = self.embed[...].astype(self.dtype)[tokens]
         x = constrain(x, ("batch", "length", "act_embed"))
         cos, sin = rope_tables(positions, c.head_dim, c.rope_theta)
-        layer_params = {name: p[...] for name, p in self.layers.items()}
 
         def dense(x2, w):
             # Projections as 2-D matmuls over (batch*length): XLA's dot (and its
@@ -275,8 +310,18 @@ class Qwen2(nnx.Module):
             q = constrain(apply_rope(q, cos, sin), ("batch", "length", "act_heads", "head_dim"))
             k = constrain(apply_rope(k, cos, sin), ("batch", "length", "act_kv_heads", "head_dim"))
             v = constrain(v, ("batch", "length", "act_kv_heads", "head_dim"))
-            read = None if kc is None else (kc.astype(self.dtype), vc.astype(self.dtype), cache_mask)
-            out = attention(q, k, v, mask, read).reshape(b * t, c.num_heads * c.head_dim)
+            if layers is not None and cache is not None:
+                # Per-layer cache: write this call's keys, then read the window (no read of
+                # the cache before a write to it, which made XLA:CPU copy the whole cache).
+                kc = kc.at[rows, :, positions].set(k.astype(kc.dtype), mode="drop")
+                vc = vc.at[rows, :, positions].set(v.astype(vc.dtype), mode="drop")
+                read = (kc[:, :, :window].astype(self.dtype), vc[:, :, :window].astype(self.dtype), cache_mask)
+                k, v = kc, vc  # returned: the updated cache
+                out = attention(q, None, None, None, read)
+            else:
+                read = None if kc is None else (kc.astype(self.dtype), vc.astype(self.dtype), cache_mask)
+                out = attention(q, k, v, mask, read)
+            out = out.reshape(b * t, c.num_heads * c.head_dim)
             x = x + jnp.dot(out, p["o_kernel"].reshape(-1, e)).reshape(b, t, e)
             h = rms_norm(x, p["post_norm"], c.rms_norm_eps).reshape(b * t, e)
             act = jax.nn.silu(dense(h, p["gate_kernel"])) * dense(h, p["up_kernel"])
@@ -287,21 +332,30 @@ class Qwen2(nnx.Module):
 
         if self.remat != "none":
             layer = jax.checkpoint(layer, policy=REMAT_POLICIES[self.remat], prevent_cse=False)
-        # Only the window is read (sliced once, before the layer loop): decode cost grows with
-        # the text, not with the cache preallocated for the whole response budget.
-        kv_in = (None, None)
-        if cache is not None and window:
-            kv_in = (cache.k[:, :, :, :window], cache.v[:, :, :, :window])
-        x, (k_new, v_new) = jax.lax.scan(layer, x, (layer_params, *kv_in))
+        # Only the window is read: decode cost grows with the text, not with the cache
+        # preallocated for the whole response budget.
+        rows = jnp.arange(b)[:, None]
+        if layers is not None:
+            k_all, v_all = [], []
+            for i, p in enumerate(layers):
+                x, (k, v) = layer(x, (p, *((None, None) if cache is None else (cache.k[i], cache.v[i]))))
+                k_all.append(k)
+                v_all.append(v)
+            k_all, v_all = tuple(k_all), tuple(v_all)
+        else:
+            read = cache is not None and window
+            kv_in = (cache.k[:, :, :, :window], cache.v[:, :, :, :window]) if read else (None, None)
+            stacked = {name: p[...] for name, p in self.layers.items()}
+            x, (k_new, v_new) = jax.lax.scan(layer, x, (stacked, *kv_in))
+            if cache is not None:
+                # One write for all layers. Advanced indices split by a slice come first:
+                # values are [B, T, L, K, D].
+                put = lambda x: jnp.moveaxis(x, 0, 2).astype(cache.k.dtype)
+                k_all = cache.k.at[:, rows, :, positions].set(put(k_new), mode="drop")
+                v_all = cache.v.at[:, rows, :, positions].set(put(v_new), mode="drop")
         x = rms_norm(x, self.final_norm[...], c.rms_norm_eps)
         if cache is None:
             return x, None
-        # One write for all layers: this call's keys at each row's own positions. Slots
-        # past the end are dropped (the caller sizes the cache), never clamped.
-        rows = jnp.arange(b)[:, None]
-        # Advanced indices split by a slice come first: values are [B, T, L, K, D].
-        put = lambda x: jnp.moveaxis(x, 0, 2).astype(cache.k.dtype)
-        k_all = cache.k.at[:, rows, :, positions].set(put(k_new), mode="drop")
-        v_all = cache.v.at[:, rows, :, positions].set(put(v_new), mode="drop")
+        # Writes past the cache's end were dropped (the caller sizes the cache), never clamped.
         step = t if num_new is None else num_new.astype(jnp.int32)
         return x, KVCache(k=k_all, v=v_all, lengths=cache.lengths + step)

@@ -30,16 +30,21 @@ class OptimConfig:
     total_steps: int = 1000
 
 
-def make_optimizer(cfg: OptimConfig) -> optax.GradientTransformation:
+def learning_rate(cfg: OptimConfig) -> optax.Schedule:
+    """The learning rate by update count: linear warmup from 0 (when `warmup_steps`), then
+    constant or a cosine decay to 0 at `total_steps`."""
     warm = max(cfg.warmup_steps, 0)
     if cfg.schedule == "constant":
-        sched = optax.join_schedules([optax.linear_schedule(0.0, cfg.lr, warm), optax.constant_schedule(cfg.lr)],
-                                     [warm]) if warm else optax.constant_schedule(cfg.lr)
-    elif cfg.schedule == "cosine":
-        sched = optax.warmup_cosine_decay_schedule(0.0 if warm else cfg.lr, cfg.lr, warm,
-                                                   max(cfg.total_steps, warm + 1))
-    else:
-        raise ValueError(f"schedule={cfg.schedule!r}; choose constant or cosine")
+        return optax.join_schedules([optax.linear_schedule(0.0, cfg.lr, warm), optax.constant_schedule(cfg.lr)],
+                                    [warm]) if warm else optax.constant_schedule(cfg.lr)
+    if cfg.schedule == "cosine":
+        return optax.warmup_cosine_decay_schedule(0.0 if warm else cfg.lr, cfg.lr, warm,
+                                                  max(cfg.total_steps, warm + 1))
+    raise ValueError(f"schedule={cfg.schedule!r}; choose constant or cosine")
+
+
+def make_optimizer(cfg: OptimConfig) -> optax.GradientTransformation:
+    sched = learning_rate(cfg)
     return optax.chain(optax.clip_by_global_norm(cfg.grad_clip),
                        optax.adamw(sched, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay))
 

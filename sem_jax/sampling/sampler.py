@@ -18,7 +18,7 @@ import numpy as np
 from flax import nnx
 
 from sem_jax import hosts
-from sem_jax.model.qwen2 import CACHE_AXES, KVCache, Qwen2
+from sem_jax.model.qwen2 import CACHE_AXES, LAYER_CACHE_AXES, KVCache, Qwen2
 from sem_jax.sharding import constrain, put
 from sem_jax.sampling.stop import StopAutomaton
 
@@ -117,23 +117,26 @@ def _inverse_cdf(logp: jax.Array, key: jax.Array, width: int = 256) -> jax.Array
     return jnp.where(bad, jnp.argmax(logp, -1), tok).astype(jnp.int32)
 
 
-def _extend_last(model: Qwen2, tokens, cache, n, window: int) -> tuple[jax.Array, KVCache]:
+def _extend_last(model: Qwen2, layers, tokens, cache, n, window: int) -> tuple[jax.Array, KVCache]:
     """Append ragged tokens; logits [B, V] at each row's last new token only (the LM head
     over every prompt position would be ~40% of a small model's prefill)."""
-    hidden, cache = model.hidden_states(tokens, cache=cache, num_new=n, window=window)
+    hidden, cache = model.hidden_states(tokens, cache=cache, num_new=n, window=window, layers=layers)
     last = jnp.take_along_axis(hidden, jnp.maximum(n - 1, 0)[:, None, None], 1)[:, 0]
     return model.logits(last), cache
 
 
-def _prefill(graphdef, params, prompts, lengths, key, *, group_size: int, cache_len: int,
+def _prefill(graphdef, params, layers, prompts, lengths, key, *, group_size: int, cache_len: int,
              resp_len: int, cache_dtype) -> SamplerState:
     model: Qwen2 = nnx.merge(graphdef, params)
     p = prompts.shape[0]
-    cache = model.init_cache(p, cache_len, cache_dtype)
-    last, cache = _extend_last(model, prompts, cache, lengths, window=0)  # nothing to read yet
+    cache = model.init_cache(p, cache_len, cache_dtype, per_layer=layers is not None)
+    # Nothing to read yet (a per-layer cache reads this call's own keys from the cache).
+    last, cache = _extend_last(model, layers, prompts, cache, lengths, window=0 if layers is None else prompts.shape[1])
     # Each prompt is prefilled once; its cache is copied to its G group members.
     rep = lambda x, axis: jnp.repeat(x, group_size, axis=axis)
-    cache = KVCache(k=rep(cache.k, 1), v=rep(cache.v, 1), lengths=rep(cache.lengths, 0))
+    row_axis = 0 if cache.per_layer else 1
+    kv = lambda c: jax.tree.map(lambda x: rep(x, row_axis), c)
+    cache = KVCache(k=kv(cache.k), v=kv(cache.v), lengths=rep(cache.lengths, 0))
     b = p * group_size
     state = SamplerState(
         cache=cache, logits=rep(last, 0),
@@ -146,21 +149,25 @@ def _prefill(graphdef, params, prompts, lengths, key, *, group_size: int, cache_
     rows = lambda x: constrain(x, ("batch",) + ("length",) * (x.ndim - 1))
     fields = {f.name: rows(getattr(state, f.name)) for f in dataclasses.fields(state)
               if f.name not in ("cache", "key")}
-    cache = KVCache(k=constrain(state.cache.k, CACHE_AXES), v=constrain(state.cache.v, CACHE_AXES),
-                    lengths=rows(state.cache.lengths))
+    axes = LAYER_CACHE_AXES if cache.per_layer else CACHE_AXES
+    kv = lambda c: jax.tree.map(lambda x: constrain(x, axes), c)
+    cache = KVCache(k=kv(state.cache.k), v=kv(state.cache.v), lengths=rows(state.cache.lengths))
     return SamplerState(cache=cache, key=key, **fields)
 
 
-def _decode(graphdef, params, state: SamplerState, stop_table, eos_ids, max_steps, *,
+def _decode(graphdef, params, layers, state: SamplerState, stop_table, eos_ids, max_steps, *,
             cfg: SamplingConfig, window: int) -> tuple[SamplerState, jax.Array]:
     """Decode until every row is done or paused, after `max_steps` steps, or before an active
     row would read past the first `window` cache slots. Returns the state and `progress` after."""
     model: Qwen2 = nnx.merge(graphdef, params)
     rows = jnp.arange(state.resp.shape[0])
 
+    # A step reads a row's filled slots, and with a per-layer cache also the slot it writes.
+    limit = window if layers is None else window - 1
+
     def cond(carry):
         step, s = carry
-        return (step < max_steps) & jnp.any(s.active) & ~jnp.any(s.active & (s.cache.lengths > window))
+        return (step < max_steps) & jnp.any(s.active) & ~jnp.any(s.active & (s.cache.lengths > limit))
 
     def body(carry):
         step, s = carry
@@ -177,7 +184,7 @@ def _decode(graphdef, params, state: SamplerState, stop_table, eos_ids, max_step
         eos = active & jnp.isin(tok, eos_ids)
         done = s.done | eos | (active & (resp_len >= s.resp.shape[1]))
         paused = s.paused | (active & ~done & ((code & 1) == 1))
-        logits, cache = model.extend(tok[:, None], s.cache, active.astype(jnp.int32), window=window)
+        logits, cache = model.extend(tok[:, None], s.cache, active.astype(jnp.int32), window=window, layers=layers)
         return step + 1, SamplerState(
             cache=cache, logits=jnp.where(active[:, None], logits[:, 0], s.logits), resp=resp,
             resp_logprob=resp_logprob, resp_sampled=resp_sampled, resp_len=resp_len,
@@ -194,11 +201,11 @@ def _progress(state: SamplerState, steps=0) -> jax.Array:
     return jnp.stack([jnp.int32(steps), jnp.max(jnp.where(state.active, lengths, -1)), jnp.max(lengths)])
 
 
-def _insert(graphdef, params, state: SamplerState, ids, n, end_rows, *, window: int) -> SamplerState:
+def _insert(graphdef, params, layers, state: SamplerState, ids, n, end_rows, *, window: int) -> SamplerState:
     """Append `ids[b, :n[b]]` to row b (cache and response, loss mask 0), unpause every row,
     and end the rows in `end_rows`."""
     model: Qwen2 = nnx.merge(graphdef, params)
-    last, cache = _extend_last(model, ids, state.cache, n, window)
+    last, cache = _extend_last(model, layers, ids, state.cache, n, window)
     width = state.resp.shape[1]
     cols = state.resp_len[:, None] + jnp.arange(ids.shape[1])[None, :]
     cols = jnp.where(jnp.arange(ids.shape[1])[None, :] < n[:, None], cols, width)  # drop padding
@@ -218,8 +225,9 @@ def _insert(graphdef, params, state: SamplerState, ids, n, end_rows, *, window: 
 # state donated). Module-level so that compile-only checks can lower them without a Sampler.
 prefill_step = jax.jit(_prefill, static_argnums=0,
                        static_argnames=("group_size", "cache_len", "resp_len", "cache_dtype"))
-decode_loop = jax.jit(_decode, static_argnums=0, static_argnames=("cfg", "window"), donate_argnums=2)
-insert_step = jax.jit(_insert, static_argnums=0, static_argnames="window", donate_argnums=2)
+decode_loop = jax.jit(_decode, static_argnums=0, static_argnames=("cfg", "window"), donate_argnums=3)
+insert_step = jax.jit(_insert, static_argnums=0, static_argnames="window", donate_argnums=3)
+layer_list = jax.jit(lambda graphdef, params: nnx.merge(graphdef, params).layer_list(), static_argnums=0)
 any_paused = jax.jit(lambda state: jnp.any(state.paused))
 progress = jax.jit(_progress)
 
@@ -234,6 +242,10 @@ class Sampler:
     of at least `window_steps` tokens (each window size compiles once); 0 reads the whole
     cache (sized for the full response budget) at every step, with a single compile.
 
+    `per_layer` (default: on the CPU backend) keeps a copy of each layer's weights as arrays
+    of their own and a per-layer KV cache (see `Qwen2.hidden_states`): faster decode on
+    XLA:CPU for one more copy of the layer weights.
+
     With a `mesh`, rows are sharded over its batch axes and each process passes (and gets
     back, through `local`) only its own rows; widths are agreed between processes so that
     every process makes the same compiled calls (`sem_jax.hosts`).
@@ -241,8 +253,10 @@ class Sampler:
 
     def __init__(self, model: Qwen2, stop: StopAutomaton, cfg: SamplingConfig,
                  max_steps_per_call: int | None = None, mesh: jax.sharding.Mesh | None = None,
-                 calls: hosts.CallLog | None = None, window_steps: int = 32):
+                 calls: hosts.CallLog | None = None, window_steps: int = 32, per_layer: bool | None = None):
         self.graphdef, self.params = nnx.split(model)
+        self.per_layer = jax.default_backend() == "cpu" if per_layer is None else per_layer
+        self.layers = layer_list(self.graphdef, self.params) if self.per_layer else None
         self.config = cfg
         self.mesh = mesh
         self.calls = calls or hosts.CallLog(False)
@@ -281,6 +295,7 @@ class Sampler:
     def set_params(self, params: Any) -> None:
         """Use new policy weights (same structure) for the next rollouts."""
         self.params = params
+        self.layers = layer_list(self.graphdef, params) if self.per_layer else None
 
     def start(self, prompts: Sequence[Sequence[int]], group_size: int, key: jax.Array) -> SamplerState:
         """Prefill each prompt once and copy it to `group_size` rows (row = prompt * G + g)."""
@@ -293,7 +308,7 @@ class Sampler:
         lengths = np.array([len(p) for p in prompts], np.int32)
         key = self._replicated(key)
         self.calls.record("prefill", arr)
-        return prefill_step(self.graphdef, self.params, self._rows(arr), self._rows(lengths), key,
+        return prefill_step(self.graphdef, self.params, self.layers, self._rows(arr), self._rows(lengths), key,
                             group_size=group_size, cache_len=width + self.config.max_new_tokens,
                             resp_len=self.config.max_new_tokens, cache_dtype=self.cache_dtype)
 
@@ -310,7 +325,7 @@ class Sampler:
         while top >= 0 and left > 0:  # a row is active
             window = self._window(state, top + self.window_steps)
             self.calls.record(f"decode@{window}", state.resp)
-            state, info = decode_loop(self.graphdef, self.params, state, self.stop_table, self.eos_ids,
+            state, info = decode_loop(self.graphdef, self.params, self.layers, state, self.stop_table, self.eos_ids,
                                       self._replicated(np.int32(left)), cfg=self.config, window=window)
             steps, top, _ = np.asarray(info).tolist()
             if steps == 0:  # cannot happen with a window past the longest active row
@@ -331,8 +346,8 @@ class Sampler:
             n[i] = len(blk)
         end = np.zeros(b, bool) if end_rows is None else np.asarray(end_rows, bool)
         longest = int(np.asarray(progress(state))[2]) if self.window_steps else 0  # no sync without windows
-        window = self._window(state, longest)
+        window = self._window(state, longest + (width if self.per_layer else 0))
         self.calls.record(f"insert@{window}", ids)
-        return insert_step(self.graphdef, self.params, state, self._rows(ids), self._rows(n), self._rows(end),
+        return insert_step(self.graphdef, self.params, self.layers, state, self._rows(ids), self._rows(n), self._rows(end),
                            window=window)
 
