@@ -259,7 +259,8 @@ class Qwen2(nnx.Module):
         c = self.config
         if cache is not None and cache.per_layer != (layers is not None):
             raise ValueError("a per-layer KV cache goes with per-layer weights (layers=model.layer_list())"
-                             if cache.per_layer else "per-layer weights need a per-layer KV cache (init_cache(per_layer=True))")
+                             if cache.per_layer else
+                             "per-layer weights need a per-layer KV cache (init_cache(per_layer=True))")
         b, t = tokens.shape
         idx = jnp.arange(t, dtype=jnp.int32)
         causal = idx[None, :, None] >= idx[None, None, :]

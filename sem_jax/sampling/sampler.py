@@ -348,6 +348,6 @@ class Sampler:
         longest = int(np.asarray(progress(state))[2]) if self.window_steps else 0  # no sync without windows
         window = self._window(state, longest + (width if self.per_layer else 0))
         self.calls.record(f"insert@{window}", ids)
-        return insert_step(self.graphdef, self.params, self.layers, state, self._rows(ids), self._rows(n), self._rows(end),
-                           window=window)
+        return insert_step(self.graphdef, self.params, self.layers, state, self._rows(ids), self._rows(n),
+                           self._rows(end), window=window)
 
