@@ -244,8 +244,8 @@ class Qwen2(nnx.Module):
 
         `window` (static, with a cache): attention reads only the first `window` cache slots
         (0: none, as in a prefill; None: all). The caller guarantees every row that matters
-        has at most `window` filled slots, and with a per-layer cache also room for this
-        call's tokens (written before they are read); the writes still go to the whole cache.
+        has at most `window` filled slots; the writes still go to the whole cache. (A per-layer
+        cache holds this call's keys before they are read: it reads `window + T` slots.)
 
         `segment_ids` [B, T] (no cache): several sequences packed in one row, each a run of
         equal ids; a token sees only its own run, and positions restart at each run.
@@ -282,14 +282,13 @@ class Qwen2(nnx.Module):
             positions = cache.lengths[:, None] + idx[None, :]
             mask = jnp.broadcast_to(causal, (b, t, t))
             # Slot s holds position s; slots at or past a row's length are stale.
-            window = cache.max_length if window is None else min(window, cache.max_length)
-            slots = jnp.arange(window, dtype=jnp.int32)
+            window = cache.max_length if window is None else window
             if layers is None:  # the cache before this call's keys
-                cache_mask = slots[None, :] < cache.lengths[:, None]
+                window = min(window, cache.max_length)
+                cache_mask = jnp.arange(window, dtype=jnp.int32)[None, :] < cache.lengths[:, None]
             else:  # this call's keys written first: token j sees slots up to its own position
-                if window < t:
-                    raise ValueError(f"window={window} cannot hold this call's {t} tokens (per-layer cache)")
-                cache_mask = slots[None, None, :] <= positions[:, :, None]
+                window = min(window + t, cache.max_length)
+                cache_mask = jnp.arange(window, dtype=jnp.int32)[None, None, :] <= positions[:, :, None]
 
         x = self.embed[...].astype(self.dtype)[tokens]
         x = constrain(x, ("batch", "length", "act_embed"))

@@ -130,8 +130,7 @@ def _prefill(graphdef, params, layers, prompts, lengths, key, *, group_size: int
     model: Qwen2 = nnx.merge(graphdef, params)
     p = prompts.shape[0]
     cache = model.init_cache(p, cache_len, cache_dtype, per_layer=layers is not None)
-    # Nothing to read yet (a per-layer cache reads this call's own keys from the cache).
-    last, cache = _extend_last(model, layers, prompts, cache, lengths, window=0 if layers is None else prompts.shape[1])
+    last, cache = _extend_last(model, layers, prompts, cache, lengths, window=0)  # nothing to read yet
     # Each prompt is prefilled once; its cache is copied to its G group members.
     rep = lambda x, axis: jnp.repeat(x, group_size, axis=axis)
     row_axis = 0 if cache.per_layer else 1
@@ -162,12 +161,9 @@ def _decode(graphdef, params, layers, state: SamplerState, stop_table, eos_ids, 
     model: Qwen2 = nnx.merge(graphdef, params)
     rows = jnp.arange(state.resp.shape[0])
 
-    # A step reads a row's filled slots, and with a per-layer cache also the slot it writes.
-    limit = window if layers is None else window - 1
-
     def cond(carry):
         step, s = carry
-        return (step < max_steps) & jnp.any(s.active) & ~jnp.any(s.active & (s.cache.lengths > limit))
+        return (step < max_steps) & jnp.any(s.active) & ~jnp.any(s.active & (s.cache.lengths > window))
 
     def body(carry):
         step, s = carry
@@ -346,7 +342,7 @@ class Sampler:
             n[i] = len(blk)
         end = np.zeros(b, bool) if end_rows is None else np.asarray(end_rows, bool)
         longest = int(np.asarray(progress(state))[2]) if self.window_steps else 0  # no sync without windows
-        window = self._window(state, longest + (width if self.per_layer else 0))
+        window = self._window(state, longest)
         self.calls.record(f"insert@{window}", ids)
         return insert_step(self.graphdef, self.params, self.layers, state, self._rows(ids), self._rows(n),
                            self._rows(end), window=window)
