@@ -132,7 +132,7 @@ def check(config: ConfigDict, topology: str | None = None, hbm_gib: float | None
     micro = min(config.rl.micro_batch, rows_n)
     grpo = GRPOConfig(beta=config.rl.beta, clip_eps=config.rl.clip_eps, loss_agg=config.rl.loss_agg)
     trainer = GRPOTrainer(model, grpo, OptimConfig(**config.optim.to_dict()), micro_batch=micro,
-                          logprob_chunk=config.rl.logprob_chunk)
+                          logprob_chunk=config.rl.logprob_chunk, per_layer=False)  # the scan, as on the TPU
     out: list[Row] = []
     with jax.set_mesh(mesh):
         opt_shapes = jax.eval_shape(trainer.tx.init, params)

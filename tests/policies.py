@@ -34,8 +34,9 @@ class ScriptedPolicy(nnx.Module):
 
     def init_cache(self, batch, max_length, dtype=None, per_layer=False):
         z = jnp.zeros((batch, 1, max_length, 1), jnp.float32)  # [batch, kv_heads, slots, head_dim]
-        z = (z,) if per_layer else z[None]  # one layer
-        return KVCache(k=z, v=z, lengths=jnp.zeros((batch,), jnp.int32))
+        if per_layer:  # one layer, keys transposed
+            return KVCache(k=(jnp.swapaxes(z, 2, 3),), v=(z,), lengths=jnp.zeros((batch,), jnp.int32))
+        return KVCache(k=z[None], v=z[None], lengths=jnp.zeros((batch,), jnp.int32))
 
     def layer_list(self):
         return [{}]

@@ -28,16 +28,20 @@ def test_greedy_equals_argmax_loop_over_full_forward(window_steps, per_layer):
     assert windows == (["decode@40"] if window_steps == 0 else ["decode@16", "decode@24", "decode@32", "decode@40"])
     resp, lens = np.asarray(state.resp), np.asarray(state.resp_len)
     assert (lens == steps).all() and np.asarray(state.done).all()
-    forward = jax.jit(lambda m, t: m(t))
+    logprob = np.asarray(state.resp_logprob)
+    forward = jax.jit(lambda m, t: jax.nn.log_softmax(m(t), -1))
     for i, p in enumerate(prompts):
-        seq = list(p)
+        seq, want_lp = list(p), []
         for _ in range(steps):
             # Right padding to one width (one compile); causal, so padding cannot leak back.
             padded = jnp.asarray([seq + [0] * (48 - len(seq))])
-            seq.append(int(np.argmax(np.asarray(forward(model, padded))[0, len(seq) - 1])))
+            logp = np.asarray(forward(model, padded))[0, len(seq) - 1]
+            seq.append(int(np.argmax(logp)))
+            want_lp.append(logp[seq[-1]])
         want = seq[len(p):]
         for g in range(2):
             assert resp[2 * i + g].tolist() == want
+            np.testing.assert_allclose(logprob[2 * i + g], want_lp, atol=1e-4)
 
 
 def test_eos_stops_row_and_group_copies_differ_when_sampling():
@@ -127,3 +131,14 @@ def test_inverse_cdf_sampling_matches_distribution():
     expected = probs[top] * len(toks)
     assert np.all(np.abs(counts[top] - expected) < 5 * np.sqrt(expected) + 5)
     assert counts[probs < 1e-7].sum() == 0
+
+
+def test_argmax_matches_numpy_with_ties_and_nan():
+    from sem_jax.sampling.sampler import argmax
+    x = np.random.RandomState(0).randint(0, 5, (64, 300)).astype(np.float32)  # many ties
+    x[5, :] = -np.inf
+    np.testing.assert_array_equal(np.asarray(jax.jit(argmax)(x)), np.argmax(x, -1))
+    assert argmax(jnp.asarray(x)).dtype == jnp.int32
+    x[3, 7] = x[9, :] = np.nan  # a broken row still gets a valid id (a NaN's or a maximum's)
+    got = np.asarray(jax.jit(argmax)(x))
+    assert got[9] == 0 and (got[3] == 7 or x[3, got[3]] == np.nanmax(x[3]))

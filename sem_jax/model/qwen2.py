@@ -42,7 +42,9 @@ REMAT_POLICIES = {
 }
 
 CACHE_AXES = ("layers", "batch", "act_kv_heads", "cache_length", "head_dim")
-LAYER_CACHE_AXES = CACHE_AXES[1:]  # one layer's cache (a per-layer cache, see KVCache)
+# One layer's values and (transposed) keys in a per-layer cache, see KVCache.
+LAYER_CACHE_AXES = CACHE_AXES[1:]
+LAYER_KEY_AXES = ("batch", "act_kv_heads", "head_dim", "cache_length")
 
 
 @jax.tree_util.register_dataclass
@@ -53,9 +55,10 @@ class KVCache:
     `lengths[b]` is how many positions of row `b` are filled; each row advances
     on its own, so prompts of different lengths share one batch.
 
-    Stacked (one [layers, batch, kv_heads, max_length, head_dim] array, read under the layer
-    scan) or per layer (a tuple of [batch, kv_heads, max_length, head_dim] arrays, for
-    `hidden_states(layers=...)`).
+    Stacked (one [layers, batch, kv_heads, max_length, head_dim] array each for keys and
+    values, read under the layer scan) or per layer (for `hidden_states(layers=...)`: tuples
+    of [batch, kv_heads, head_dim, max_length] keys, transposed for the decode's dot, and
+    [batch, kv_heads, max_length, head_dim] values).
     """
 
     k: jax.Array | tuple[jax.Array, ...]
@@ -68,7 +71,7 @@ class KVCache:
 
     @property
     def max_length(self) -> int:
-        return (self.k[0] if self.per_layer else self.k).shape[-2]
+        return (self.v[0] if self.per_layer else self.v).shape[-2]
 
 
 def _layer_shapes(cfg: Qwen2Config) -> dict[str, tuple[int, ...]]:
@@ -123,20 +126,33 @@ def attention(q: jax.Array, k: jax.Array | None, v: jax.Array | None, mask: jax.
     (mask [B,T,T], True = attend) and, when given, a read-only cache
     (k_cache [B,K,S,D], v_cache [B,K,S,D], cache_mask [B,S] or [B,T,S]).
 
-    k = v = mask = None: the cache already holds this call's keys (cache_mask [B,T,S]).
+    k = v = mask = None: a per-layer cache that already holds this call's keys, keys stored
+    transposed (k_cache [B,K,D,S], v_cache [B,K,S,D], cache_mask [B,T,S]).
     The cache is only read here, so attention never copies it.
     """
     b, t, h, d = q.shape
-    kv = k.shape[2] if k is not None else cache[0].shape[1]
+    kv = k.shape[2] if k is not None else cache[1].shape[1]
     q = q.reshape(b, t, kv, h // kv, d)
     neg = jnp.finfo(jnp.float32).min
     scale = d ** -0.5
-    if k is not None:
-        scores = jnp.einsum("btkgd,bskd->bkgts", q, k, preferred_element_type=jnp.float32) * scale
-        scores = jnp.where(mask[:, None, None, :, :], scores, neg)
-        if cache is None:
-            probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-            return jnp.einsum("bkgts,bskd->btkgd", probs, v).reshape(b, t, h, d)
+    if k is None:
+        # Two dots with batch axes (B, K) in the caches' stored layouts, which XLA:CPU hands
+        # to its fast dot library: keys stored [D, S] make a one-token decode's scores 4.6x
+        # faster than a multiply-and-reduce over [S, D] keys. Queries as [B, K, G*T, D] (a
+        # free reshape when T = 1).
+        k_t, v_cache, cache_mask = cache
+        g = h // kv
+        qm = jnp.moveaxis(q, 1, 3).reshape(b, kv, g * t, d)
+        scores = jnp.einsum("bkqd,bkds->bkqs", qm, k_t, preferred_element_type=jnp.float32) * scale
+        scores = jnp.where(cache_mask[:, None, None, :, :], scores.reshape(b, kv, g, t, -1), neg)
+        probs = jax.nn.softmax(scores, axis=-1).astype(v_cache.dtype).reshape(b, kv, g * t, -1)
+        out = jnp.einsum("bkqs,bksd->bkqd", probs, v_cache).reshape(b, kv, g, t, d)
+        return jnp.moveaxis(out, 3, 1).reshape(b, t, h, d)
+    scores = jnp.einsum("btkgd,bskd->bkgts", q, k, preferred_element_type=jnp.float32) * scale
+    scores = jnp.where(mask[:, None, None, :, :], scores, neg)
+    if cache is None:
+        probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+        return jnp.einsum("bkgts,bskd->btkgd", probs, v).reshape(b, t, h, d)
     k_cache, v_cache, cache_mask = cache
     s = k_cache.shape[2]
     if t == 1:
@@ -148,15 +164,13 @@ def attention(q: jax.Array, k: jax.Array | None, v: jax.Array | None, mask: jax.
         old = jnp.einsum("btkgd,bksd->bkgts", q, k_cache, preferred_element_type=jnp.float32)
     cm = cache_mask[:, None, None, None, :] if cache_mask.ndim == 2 else cache_mask[:, None, None, :, :]
     old = jnp.where(cm, old * scale, neg)
-    probs = jax.nn.softmax(old if k is None else jnp.concatenate([old, scores], axis=-1), axis=-1)
+    probs = jax.nn.softmax(jnp.concatenate([old, scores], axis=-1), axis=-1)
     p_old = probs[..., :s]
     if t == 1:
         out_old = jnp.sum(p_old[:, :, :, 0, :, None] * v_cache[:, :, None, :, :], axis=-2)[:, None]
         out_old = out_old.astype(v_cache.dtype)
     else:
         out_old = jnp.einsum("bkgts,bksd->btkgd", p_old.astype(v_cache.dtype), v_cache)
-    if k is None:
-        return out_old.reshape(b, t, h, d)
     out = out_old + jnp.einsum("bkgts,bskd->btkgd", probs[..., s:].astype(v.dtype), v)
     return out.reshape(b, t, h, d)
 
@@ -227,10 +241,12 @@ class Qwen2(nnx.Module):
         shape = (batch, c.num_kv_heads, max_length, c.head_dim)
         dtype = dtype or self.dtype
         if per_layer:
-            zeros = lambda: tuple(constrain(jnp.zeros(shape, dtype), LAYER_CACHE_AXES) for _ in range(c.num_layers))
+            zeros = lambda shape, axes: tuple(constrain(jnp.zeros(shape, dtype), axes) for _ in range(c.num_layers))
+            k = zeros((batch, c.num_kv_heads, c.head_dim, max_length), LAYER_KEY_AXES)
+            v = zeros(shape, LAYER_CACHE_AXES)
         else:
-            zeros = lambda: constrain(jnp.zeros((c.num_layers, *shape), dtype), CACHE_AXES)
-        return KVCache(k=zeros(), v=zeros(), lengths=jnp.zeros((batch,), jnp.int32))
+            k, v = (constrain(jnp.zeros((c.num_layers, *shape), dtype), CACHE_AXES) for _ in range(2))
+        return KVCache(k=k, v=v, lengths=jnp.zeros((batch,), jnp.int32))
 
     def layer_list(self) -> list[dict[str, jax.Array]]:
         """Each layer's weights as arrays of their own, for `hidden_states(layers=...)`."""
@@ -313,9 +329,9 @@ class Qwen2(nnx.Module):
             if layers is not None and cache is not None:
                 # Per-layer cache: write this call's keys, then read the window (no read of
                 # the cache before a write to it, which made XLA:CPU copy the whole cache).
-                kc = kc.at[rows, :, positions].set(k.astype(kc.dtype), mode="drop")
+                kc = kc.at[rows, :, :, positions].set(k.astype(kc.dtype), mode="drop")  # keys [B, K, D, S]
                 vc = vc.at[rows, :, positions].set(v.astype(vc.dtype), mode="drop")
-                read = (kc[:, :, :window].astype(self.dtype), vc[:, :, :window].astype(self.dtype), cache_mask)
+                read = (kc[..., :window].astype(self.dtype), vc[:, :, :window].astype(self.dtype), cache_mask)
                 k, v = kc, vc  # returned: the updated cache
                 out = attention(q, None, None, None, read)
             else:

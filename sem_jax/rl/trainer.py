@@ -62,12 +62,17 @@ def _unmicro(x: jax.Array) -> jax.Array:
 
 
 class GRPOTrainer:
-    """Holds the jitted logprob and update functions for one model graph."""
+    """Holds the jitted logprob and update functions for one model graph.
+
+    `per_layer` (default: on the CPU backend) runs the layers one by one instead of under the
+    layer scan (`token_logprobs`); pass False to compile for another backend from a CPU host.
+    """
 
     def __init__(self, model: Any, grpo: GRPOConfig, optim: OptimConfig, *, micro_batch: int,
-                 logprob_chunk: int = 128):
+                 logprob_chunk: int = 128, per_layer: bool | None = None):
         self.graphdef, _ = nnx.split(model)
         self.grpo, self.micro_batch, self.chunk = grpo, micro_batch, logprob_chunk
+        self.per_layer = jax.default_backend() == "cpu" if per_layer is None else per_layer
         self.tx = make_optimizer(optim)
         self.ref_passes = 0  # reference forward passes run (0 when beta == 0)
         self._logprobs = jax.jit(self._logprobs_fn)
@@ -86,14 +91,16 @@ class GRPOTrainer:
 
     def _logprobs_fn(self, params, batch):
         def one(mb):
-            lp, _ = token_logprobs(nnx.merge(self.graphdef, params), mb["inputs"], mb["targets"], self.chunk)
+            lp, _ = token_logprobs(nnx.merge(self.graphdef, params), mb["inputs"], mb["targets"], self.chunk,
+                                   per_layer=self.per_layer)
             return lp
         mbs = _micro({"inputs": batch["inputs"], "targets": batch["targets"]}, self.micro_batch)
         return _unmicro(jax.lax.map(one, mbs))
 
     def _update_fn(self, params, opt_state, batch, ref_logprobs):
         def loss_fn(p, mb):
-            lp, ent = token_logprobs(nnx.merge(self.graphdef, p), mb["inputs"], mb["targets"], self.chunk)
+            lp, ent = token_logprobs(nnx.merge(self.graphdef, p), mb["inputs"], mb["targets"], self.chunk,
+                                     per_layer=self.per_layer)
             old = mb["old_logprobs"] if "old_logprobs" in mb else jax.lax.stop_gradient(lp)
             loss_sum, count, stats = grpo_loss(lp, old, mb.get("ref_logprobs"), mb["advantages"], mb["mask"],
                                                self.grpo)

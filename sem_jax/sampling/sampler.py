@@ -18,7 +18,7 @@ import numpy as np
 from flax import nnx
 
 from sem_jax import hosts
-from sem_jax.model.qwen2 import CACHE_AXES, LAYER_CACHE_AXES, KVCache, Qwen2
+from sem_jax.model.qwen2 import CACHE_AXES, LAYER_CACHE_AXES, LAYER_KEY_AXES, KVCache, Qwen2
 from sem_jax.sharding import constrain, put
 from sem_jax.sampling.stop import StopAutomaton
 
@@ -69,41 +69,56 @@ class SamplerState:
         return ~self.done & ~self.paused
 
 
+def argmax(x: jax.Array, top: jax.Array | None = None) -> jax.Array:
+    """`jnp.argmax(x, -1)` as int32 (the first maximum) by plain reductions: XLA's CPU argmax
+    is a two-operand reduce that does not vectorise over a vocabulary. `top`: the row maxima
+    [..., 1] when already at hand. A row with NaN gets a NaN's or a maximum's index, always
+    one in range."""
+    top = jnp.max(x, -1, keepdims=True) if top is None else top
+    iota = jax.lax.broadcasted_iota(jnp.int32, x.shape, x.ndim - 1)
+    return jnp.min(jnp.where((x == top) | jnp.isnan(x), iota, x.shape[-1]), -1)
+
+
 def sample_tokens(logits: jax.Array, key: jax.Array, cfg: SamplingConfig) -> tuple[jax.Array, jax.Array]:
     """Sample one token per row; returns (ids [B], logprob [B] under the temperature-scaled distribution)."""
     if cfg.greedy:
-        tok = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-        return tok, jnp.take_along_axis(jax.nn.log_softmax(logits, -1), tok[:, None], -1)[:, 0]
+        # The maximum's log-probability is -log(sum(exp(x - max))): no [B, V] log-softmax.
+        top = jnp.max(logits, -1, keepdims=True)
+        return argmax(logits, top), -jnp.log(jnp.sum(jnp.exp(logits - top), -1))
     scaled = logits / cfg.temperature
+    if not cfg.top_k and cfg.top_p == 1.0:
+        # Straight from exp(x - max): no [B, V] log-softmax on the way.
+        top = jnp.max(scaled, -1, keepdims=True)
+        p = jnp.exp(scaled - top)
+        tok = _inverse_cdf(p, key)
+        picked = jnp.take_along_axis(scaled, tok[:, None], -1)[:, 0]
+        return tok, picked - top[:, 0] - jnp.log(jnp.sum(p, -1))
     logp = jax.nn.log_softmax(scaled, -1)
-    if cfg.top_k or cfg.top_p < 1.0:
-        if cfg.top_k:
-            vals, idx = jax.lax.top_k(logp, cfg.top_k)
-        else:
-            idx = jnp.argsort(-logp, axis=-1)
-            vals = jnp.take_along_axis(logp, idx, -1)
-        if cfg.top_p < 1.0:
-            # Keep the smallest prefix whose mass reaches top_p (the first token always).
-            probs = jnp.exp(vals)
-            keep = jnp.cumsum(probs, axis=-1) - probs < cfg.top_p * probs.sum(-1, keepdims=True)
-            vals = jnp.where(keep, vals, -jnp.inf)
-        tok = jnp.take_along_axis(idx, _inverse_cdf(vals, key)[:, None], -1)[:, 0]
+    if cfg.top_k:
+        vals, idx = jax.lax.top_k(logp, cfg.top_k)
     else:
-        tok = _inverse_cdf(logp, key)
+        idx = jnp.argsort(-logp, axis=-1)
+        vals = jnp.take_along_axis(logp, idx, -1)
+    if cfg.top_p < 1.0:
+        # Keep the smallest prefix whose mass reaches top_p (the first token always).
+        probs = jnp.exp(vals)
+        keep = jnp.cumsum(probs, axis=-1) - probs < cfg.top_p * probs.sum(-1, keepdims=True)
+        vals = jnp.where(keep, vals, -jnp.inf)
+    tok = jnp.take_along_axis(idx, _inverse_cdf(jnp.exp(vals - vals[:, :1]), key)[:, None], -1)[:, 0]
     return tok.astype(jnp.int32), jnp.take_along_axis(logp, tok[:, None], -1)[:, 0]
 
 
-def _inverse_cdf(logp: jax.Array, key: jax.Array, width: int = 256) -> jax.Array:
-    """Categorical sample per row from (unnormalised) log-probs with ONE uniform per row.
+def _inverse_cdf(probs: jax.Array, key: jax.Array, width: int = 256) -> jax.Array:
+    """Categorical sample per row from unnormalised probabilities [B, V] (a row's largest
+    entry > 0) with ONE uniform per row.
 
     Gumbel-max needs a random number per vocabulary entry and a flat cumsum over the
     vocabulary is slow on CPU; so the CDF is walked in two levels: cumsum over chunk
     sums picks the chunk, a cumsum inside that chunk picks the token.
     """
-    b, v = logp.shape
+    b, v = probs.shape
     chunks = -(-v // width)
-    p = jnp.exp(logp - logp.max(-1, keepdims=True))
-    p = jnp.pad(p, ((0, 0), (0, chunks * width - v))).reshape(b, chunks, width)
+    p = jnp.pad(probs, ((0, 0), (0, chunks * width - v))).reshape(b, chunks, width)
     sums = p.sum(-1)
     csum = jnp.cumsum(sums, -1)
     u = jax.random.uniform(key, (b,)) * csum[:, -1]
@@ -113,8 +128,8 @@ def _inverse_cdf(logp: jax.Array, key: jax.Array, width: int = 256) -> jax.Array
     j = jnp.minimum(jnp.sum(jnp.cumsum(block, -1) <= rest[:, None], -1), width - 1)
     tok = jnp.minimum(c * width + j, v - 1)
     # Float rounding at a boundary can land on a zero-probability entry: fall back to argmax.
-    bad = jnp.take_along_axis(logp, tok[:, None], -1)[:, 0] == -jnp.inf
-    return jnp.where(bad, jnp.argmax(logp, -1), tok).astype(jnp.int32)
+    bad = jnp.take_along_axis(probs, tok[:, None], -1)[:, 0] == 0
+    return jnp.where(bad, argmax(probs), tok).astype(jnp.int32)
 
 
 def _extend_last(model: Qwen2, layers, tokens, cache, n, window: int) -> tuple[jax.Array, KVCache]:
@@ -148,9 +163,9 @@ def _prefill(graphdef, params, layers, prompts, lengths, key, *, group_size: int
     rows = lambda x: constrain(x, ("batch",) + ("length",) * (x.ndim - 1))
     fields = {f.name: rows(getattr(state, f.name)) for f in dataclasses.fields(state)
               if f.name not in ("cache", "key")}
-    axes = LAYER_CACHE_AXES if cache.per_layer else CACHE_AXES
-    kv = lambda c: jax.tree.map(lambda x: constrain(x, axes), c)
-    cache = KVCache(k=kv(state.cache.k), v=kv(state.cache.v), lengths=rows(state.cache.lengths))
+    k_axes, v_axes = (LAYER_KEY_AXES, LAYER_CACHE_AXES) if cache.per_layer else (CACHE_AXES, CACHE_AXES)
+    kv = lambda c, axes: jax.tree.map(lambda x: constrain(x, axes), c)
+    cache = KVCache(k=kv(state.cache.k, k_axes), v=kv(state.cache.v, v_axes), lengths=rows(state.cache.lengths))
     return SamplerState(cache=cache, key=key, **fields)
 
 
@@ -160,6 +175,15 @@ def _decode(graphdef, params, layers, state: SamplerState, stop_table, eos_ids, 
     row would read past the first `window` cache slots. Returns the state and `progress` after."""
     model: Qwen2 = nnx.merge(graphdef, params)
     rows = jnp.arange(state.resp.shape[0])
+    full = state.cache
+    # A per-layer cache decodes in a copy of the slots the loop can touch (the window and the
+    # slot each step writes), copied back after it: a window sliced out of the whole cache at
+    # every step is a copy of its own on XLA:CPU (a strided slice feeds no dot in place).
+    span = window + 1
+    buffered = full.per_layer and span < full.max_length
+    if buffered:
+        state = dataclasses.replace(state, cache=KVCache(
+            k=tuple(k[..., :span] for k in full.k), v=tuple(v[:, :, :span] for v in full.v), lengths=full.lengths))
 
     def cond(carry):
         step, s = carry
@@ -180,13 +204,18 @@ def _decode(graphdef, params, layers, state: SamplerState, stop_table, eos_ids, 
         eos = active & jnp.isin(tok, eos_ids)
         done = s.done | eos | (active & (resp_len >= s.resp.shape[1]))
         paused = s.paused | (active & ~done & ((code & 1) == 1))
-        logits, cache = model.extend(tok[:, None], s.cache, active.astype(jnp.int32), window=window, layers=layers)
+        logits, cache = model.extend(tok[:, None], s.cache, active.astype(jnp.int32),
+                                     window=None if buffered else window, layers=layers)
         return step + 1, SamplerState(
             cache=cache, logits=jnp.where(active[:, None], logits[:, 0], s.logits), resp=resp,
             resp_logprob=resp_logprob, resp_sampled=resp_sampled, resp_len=resp_len,
             stop_state=stop_state, paused=paused, eos=s.eos | eos, done=done, key=key)
 
     steps, state = jax.lax.while_loop(cond, body, (jnp.int32(0), state))
+    if buffered:
+        back = lambda whole, part: tuple(jax.lax.dynamic_update_slice(w, p, (0,) * w.ndim) for w, p in zip(whole, part))
+        state = dataclasses.replace(state, cache=KVCache(k=back(full.k, state.cache.k), v=back(full.v, state.cache.v),
+                                                         lengths=state.cache.lengths))
     return state, _progress(state, steps)
 
 
