@@ -38,7 +38,7 @@ class ScriptedPolicy(nnx.Module):
             return KVCache(k=(jnp.swapaxes(z, 2, 3),), v=(z,), lengths=jnp.zeros((batch,), jnp.int32))
         return KVCache(k=z[None], v=z[None], lengths=jnp.zeros((batch,), jnp.int32))
 
-    def layer_list(self):
+    def layer_list(self, transposed=False):
         return [{}]
 
     def hidden_states(self, tokens, *, cache, num_new=None, window=None, layers=None):

@@ -252,7 +252,8 @@ prefill_step = jax.jit(_prefill, static_argnums=0,
                        static_argnames=("group_size", "cache_len", "resp_len", "cache_dtype"))
 decode_loop = jax.jit(_decode, static_argnums=0, static_argnames=("cfg", "window"), donate_argnums=3)
 insert_step = jax.jit(_insert, static_argnums=0, static_argnames="window", donate_argnums=3)
-layer_list = jax.jit(lambda graphdef, params: nnx.merge(graphdef, params).layer_list(), static_argnums=0)
+layer_list = jax.jit(lambda graphdef, params: nnx.merge(graphdef, params).layer_list(transposed=True),
+                     static_argnums=0)
 any_paused = jax.jit(lambda state: jnp.any(state.paused))
 progress = jax.jit(_progress)
 
@@ -268,7 +269,7 @@ class Sampler:
     cache (sized for the full response budget) at every step, with a single compile.
 
     `per_layer` (default: on the CPU backend) keeps a copy of each layer's weights as arrays
-    of their own and a per-layer KV cache (see `Qwen2.hidden_states`): faster decode on
+    of their own ([out, in] kernels) and a per-layer KV cache (see `Qwen2.hidden_states`): faster decode on
     XLA:CPU for one more copy of the layer weights.
 
     With a `mesh`, rows are sharded over its batch axes and each process passes (and gets
