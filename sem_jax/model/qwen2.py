@@ -35,6 +35,11 @@ LAYER_PARAMS: dict[str, tuple[tuple[str, ...], str]] = {
 
 KERNELS = ("q_kernel", "k_kernel", "v_kernel", "o_kernel", "gate_kernel", "up_kernel", "down_kernel")
 
+
+def kernel_matrix(name: str, w: jax.Array, hidden: int) -> jax.Array:
+    """One layer's kernel as its 2-D [in, out] matrix."""
+    return w.reshape(-1, hidden) if name == "o_kernel" else w.reshape(w.shape[0], -1)
+
 # Named rematerialisation presets for the scanned layer body.
 REMAT_POLICIES = {
     "none": None,
@@ -258,11 +263,9 @@ class Qwen2(nnx.Module):
         """
         layers = [{name: p[...][i] for name, p in self.layers.items()} for i in range(self.config.num_layers)]
         if transposed:
-            e = self.config.hidden_size
             for p in layers:
                 for name in KERNELS:
-                    w = p.pop(name)
-                    p[name + "_t"] = (w.reshape(-1, e) if name == "o_kernel" else w.reshape(w.shape[0], -1)).T
+                    p[name + "_t"] = kernel_matrix(name, p.pop(name), self.config.hidden_size).T
         return layers
 
     def hidden_states(self, tokens: jax.Array, *, attention_mask: jax.Array | None = None,
@@ -328,8 +331,7 @@ class Qwen2(nnx.Module):
             # transpose in the backward pass) is far faster than with two batch-like dims.
             if name + "_t" in p:  # [out, in] (layer_list(transposed=True))
                 return jax.lax.dot_general(x2, p[name + "_t"], (((1,), (1,)), ((), ())))
-            w = p[name]
-            return jnp.dot(x2, w.reshape(-1, c.hidden_size) if name == "o_kernel" else w.reshape(w.shape[0], -1))
+            return jnp.dot(x2, kernel_matrix(name, p[name], c.hidden_size))
 
         def layer(x, xs):
             p, kc, vc = xs
