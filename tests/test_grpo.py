@@ -40,6 +40,24 @@ def test_chunked_logprobs_equal_full_log_softmax():
     np.testing.assert_allclose(np.asarray(ent), -(np.exp(full) * full).sum(-1), atol=1e-4)
 
 
+def test_per_layer_logprobs_and_gradients_equal_the_scanned_ones():
+    """The CPU trainer's default (layers one by one on slices of the stacked weights)."""
+    model = random_qwen2(1)
+    graph, params = nnx.split(model)
+    rng = np.random.RandomState(1)
+    inputs, targets = (jnp.asarray(rng.randint(0, 211, (2, 12))) for _ in range(2))
+    weights = jnp.asarray(rng.randn(2, 12), jnp.float32)
+
+    def loss(p, per_layer):
+        lp, _ = token_logprobs(nnx.merge(graph, p), inputs, targets, chunk=4, per_layer=per_layer)
+        return jnp.sum(lp * weights)
+
+    (l0, g0), (l1, g1) = (jax.jit(jax.value_and_grad(loss), static_argnums=1)(params, pl) for pl in (False, True))
+    np.testing.assert_allclose(float(l1), float(l0), rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(g0), jax.tree.leaves(g1)):
+        np.testing.assert_allclose(np.asarray(b), np.asarray(a), atol=1e-4)
+
+
 def _np_loss_and_grad(lp, old, ref, adv, mask, cfg):
     """Plain numpy: loss and d loss / d lp."""
     a = adv[:, None]
