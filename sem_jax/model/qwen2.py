@@ -48,6 +48,13 @@ REMAT_POLICIES = {
     "dots_no_batch": jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims,
 }
 
+def per_layer_default() -> bool:
+    """Whether the sampler and trainer run the layers one by one (`hidden_states(layers=...)`)
+    rather than under the layer scan: on the CPU backend, where the scan copies each layer's
+    weights (and cache window) before using them; TPU/GPU keep the scan."""
+    return jax.default_backend() == "cpu"
+
+
 CACHE_AXES = ("layers", "batch", "act_kv_heads", "cache_length", "head_dim")
 # One layer's values and (transposed) keys in a per-layer cache, see KVCache.
 LAYER_CACHE_AXES = CACHE_AXES[1:]

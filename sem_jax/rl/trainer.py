@@ -13,6 +13,7 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
+from sem_jax.model.qwen2 import per_layer_default
 from sem_jax.rl.loss import GRPOConfig, grpo_loss, token_logprobs
 from sem_jax.sharding import put
 
@@ -64,7 +65,7 @@ def _unmicro(x: jax.Array) -> jax.Array:
 class GRPOTrainer:
     """Holds the jitted logprob and update functions for one model graph.
 
-    `per_layer` (default: on the CPU backend) runs the layers one by one instead of under the
+    `per_layer` (default: `per_layer_default()`) runs the layers one by one instead of under the
     layer scan (`token_logprobs`); pass False to compile for another backend from a CPU host.
     """
 
@@ -72,7 +73,7 @@ class GRPOTrainer:
                  logprob_chunk: int = 128, per_layer: bool | None = None):
         self.graphdef, _ = nnx.split(model)
         self.grpo, self.micro_batch, self.chunk = grpo, micro_batch, logprob_chunk
-        self.per_layer = jax.default_backend() == "cpu" if per_layer is None else per_layer
+        self.per_layer = per_layer_default() if per_layer is None else per_layer
         self.tx = make_optimizer(optim)
         self.ref_passes = 0  # reference forward passes run (0 when beta == 0)
         self._logprobs = jax.jit(self._logprobs_fn)

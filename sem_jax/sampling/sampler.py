@@ -18,7 +18,8 @@ import numpy as np
 from flax import nnx
 
 from sem_jax import hosts
-from sem_jax.model.qwen2 import CACHE_AXES, LAYER_CACHE_AXES, LAYER_KEY_AXES, KVCache, Qwen2
+from sem_jax.model.qwen2 import (CACHE_AXES, LAYER_CACHE_AXES, LAYER_KEY_AXES, KVCache, Qwen2,
+                                 per_layer_default)
 from sem_jax.sharding import constrain, put
 from sem_jax.sampling.stop import StopAutomaton
 
@@ -81,16 +82,12 @@ def argmax(x: jax.Array, top: jax.Array | None = None) -> jax.Array:
 
 def sample_tokens(logits: jax.Array, key: jax.Array, cfg: SamplingConfig) -> tuple[jax.Array, jax.Array]:
     """Sample one token per row; returns (ids [B], logprob [B] under the temperature-scaled distribution)."""
-    if cfg.greedy:
-        # The maximum's log-probability is -log(sum(exp(x - max))): no [B, V] log-softmax.
-        top = jnp.max(logits, -1, keepdims=True)
-        return argmax(logits, top), -jnp.log(jnp.sum(jnp.exp(logits - top), -1))
-    scaled = logits / cfg.temperature
-    if not cfg.top_k and cfg.top_p == 1.0:
-        # Straight from exp(x - max): no [B, V] log-softmax on the way.
+    scaled = logits if cfg.greedy else logits / cfg.temperature
+    if cfg.greedy or (not cfg.top_k and cfg.top_p == 1.0):
+        # Token and log-prob straight from exp(x - max): no [B, V] log-softmax on the way.
         top = jnp.max(scaled, -1, keepdims=True)
         p = jnp.exp(scaled - top)
-        tok = _inverse_cdf(p, key)
+        tok = argmax(scaled, top) if cfg.greedy else _inverse_cdf(p, key)
         picked = jnp.take_along_axis(scaled, tok[:, None], -1)[:, 0]
         return tok, picked - top[:, 0] - jnp.log(jnp.sum(p, -1))
     logp = jax.nn.log_softmax(scaled, -1)
@@ -268,9 +265,9 @@ class Sampler:
     of at least `window_steps` tokens (each window size compiles once); 0 reads the whole
     cache (sized for the full response budget) at every step, with a single compile.
 
-    `per_layer` (default: on the CPU backend) keeps a copy of each layer's weights as arrays
-    of their own ([out, in] kernels) and a per-layer KV cache (see `Qwen2.hidden_states`): faster decode on
-    XLA:CPU for one more copy of the layer weights.
+    `per_layer` (default: `per_layer_default()`) keeps a copy of each layer's weights as arrays
+    of their own ([out, in] kernels) and a per-layer KV cache (see `Qwen2.hidden_states`):
+    faster decode on XLA:CPU for one more copy of the layer weights.
 
     With a `mesh`, rows are sharded over its batch axes and each process passes (and gets
     back, through `local`) only its own rows; widths are agreed between processes so that
@@ -281,7 +278,7 @@ class Sampler:
                  max_steps_per_call: int | None = None, mesh: jax.sharding.Mesh | None = None,
                  calls: hosts.CallLog | None = None, window_steps: int = 32, per_layer: bool | None = None):
         self.graphdef, self.params = nnx.split(model)
-        self.per_layer = jax.default_backend() == "cpu" if per_layer is None else per_layer
+        self.per_layer = per_layer_default() if per_layer is None else per_layer
         self.layers = layer_list(self.graphdef, self.params) if self.per_layer else None
         self.config = cfg
         self.mesh = mesh
