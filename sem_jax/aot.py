@@ -29,7 +29,7 @@ from sem_jax.model import Qwen2, Qwen2Config
 from sem_jax.model.hf_io import read_config
 from sem_jax.model.presets import preset
 from sem_jax.rl.loss import GRPOConfig
-from sem_jax.rl.trainer import GRPOTrainer, OptimConfig
+from sem_jax.rl.trainer import LOGPROB_KEYS, GRPOTrainer, OptimConfig
 from sem_jax.sampling.sampler import SamplingConfig, bucket_length, decode_loop, prefill_step
 from sem_jax.sharding import batch_sharding, make_mesh, match_param_shardings, named_sharding
 
@@ -137,17 +137,19 @@ def check(config: ConfigDict, topology: str | None = None, hbm_gib: float | None
     with jax.set_mesh(mesh):
         opt_shapes = jax.eval_shape(trainer.tx.init, params)
         opt = _abstract(opt_shapes, match_param_shardings(opt_shapes, params, mesh))
+        # The widest batch `build_batch` makes: T for the inputs, R for the response window.
         t = bucket_length(config.data.max_prompt_tokens + r.max_new_tokens - 1, 32)
+        w = bucket_length(r.max_new_tokens, 32)
 
         def arr(shape, dt):
             return jax.ShapeDtypeStruct(shape, dt, sharding=batch_sharding(mesh, shape))
-        batch = {"inputs": arr((rows_n, t), jnp.int32), "targets": arr((rows_n, t), jnp.int32),
-                 "mask": arr((rows_n, t), jnp.float32), "advantages": arr((rows_n,), jnp.float32),
-                 "sampler_logprobs": arr((rows_n, t), jnp.float32)}
-        ref = arr((rows_n, t), jnp.float32) if grpo.beta > 0 else None
+        batch = {"inputs": arr((rows_n, t), jnp.int32), "start": arr((rows_n,), jnp.int32),
+                 "targets": arr((rows_n, w), jnp.int32), "mask": arr((rows_n, w), jnp.float32),
+                 "advantages": arr((rows_n,), jnp.float32), "sampler_logprobs": arr((rows_n, w), jnp.float32)}
+        ref = arr((rows_n, w), jnp.float32) if grpo.beta > 0 else None
         out.append(_compile("grpo update", trainer._update.lower(params, opt, batch, ref))[0])
         if ref is not None:
-            lp_in = {"inputs": batch["inputs"], "targets": batch["targets"]}
+            lp_in = {k: batch[k] for k in LOGPROB_KEYS}
             out.append(_compile("reference logprobs", trainer._logprobs.lower(params, lp_in))[0])
         scfg = SamplingConfig(max_new_tokens=r.max_new_tokens, temperature=r.temperature)
         p = config.data.prompts_per_step

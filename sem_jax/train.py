@@ -38,7 +38,7 @@ from sem_jax.hosts import CallLog, agree_max, check_shared_dir, gather_json, loc
 from sem_jax.metrics import MetricWriter
 from sem_jax.model import Qwen2Config
 from sem_jax.rl.advantages import group_advantages
-from sem_jax.rl.batch import batch_width, build_batch
+from sem_jax.rl.batch import batch_width, build_batch, response_width
 from sem_jax.rl.loss import GRPOConfig
 from sem_jax.rl.trainer import GRPOTrainer, OptimConfig, learning_rate
 from sem_jax.sampling import RolloutConfig, Sampler, SamplingConfig, build_stop_automaton, rollout
@@ -196,8 +196,8 @@ def train(config: ConfigDict) -> dict[str, float]:
                 records.append(score_trajectory(t, ex))
             adv = group_advantages(np.array(rewards), g, eps=config.rl.adv_eps,
                                    scale_by_std=config.rl.scale_adv_by_std)
-            width = agree_max(batch_width(trajs))
-            host = build_batch(trajs, adv, micro_batch=row_multiple, pad_id=pad_id, width=width)
+            width, response = (agree_max(f(trajs)) for f in (batch_width, response_width))
+            host = build_batch(trajs, adv, micro_batch=row_multiple, pad_id=pad_id, width=width, response=response)
             batch = {k: to_global(v, mesh) for k, v in host.items()}
             calls.record("update", batch)
             t0 = time.perf_counter()

@@ -8,8 +8,10 @@ from flax import nnx
 from policies import random_qwen2
 
 from sem_jax.rl.advantages import group_advantages
+from sem_jax.rl.batch import build_batch
 from sem_jax.rl.loss import GRPOConfig, grpo_loss, token_logprobs
 from sem_jax.rl.trainer import GRPOTrainer, OptimConfig
+from sem_jax.sampling.rollout import Trajectory
 
 
 def test_group_advantages():
@@ -104,6 +106,59 @@ def test_grpo_loss_and_gradient_match_numpy(agg, beta, high):
     np.testing.assert_allclose(float(val), want_val, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(np.asarray(grad), want_grad, rtol=1e-4, atol=1e-6)
     assert (np.asarray(grad)[mask == 0] == 0).all()
+
+
+def test_response_window_batch_is_the_full_batch_cut_to_the_responses():
+    """build_batch's [N, R] window: each response token sits under the mask at its column, and
+    log-probs and gradients over the window equal the full-width ones at the same positions,
+    also for a long prompt with a short response (window shifted left) and padding rows."""
+    model = random_qwen2(4)
+    graph, params = nnx.split(model)
+    rng = np.random.RandomState(4)
+    shapes = [(40, 5), (3, 30), (10, 12)]  # (prompt, response): T = 48, R = 32; row 0's window starts at 16
+    trajs = []
+    for i, (p, r) in enumerate(shapes):
+        mask = np.ones(r, np.int8)
+        mask[r // 3:r // 2] = 0  # inserted tokens mid-response
+        trajs.append(Trajectory(i, rng.randint(0, 211, p).tolist(), rng.randint(0, 211, r).astype(np.int32), mask,
+                                rng.randn(r).astype(np.float32) * mask, 0, [], "", "length"))
+    adv = rng.randn(3).astype(np.float32)
+    b = build_batch(trajs, adv, micro_batch=2)
+    assert b["inputs"].shape == (4, 48) and b["targets"].shape == b["mask"].shape == (4, 32)
+    assert b["start"].tolist() == [16, 2, 9, 0] and b["mask"][3].sum() == 0
+    for i, t in enumerate(trajs):
+        col = len(t.prompt_ids) - 1 - b["start"][i] + np.arange(len(t.response_ids))
+        np.testing.assert_array_equal(b["targets"][i, col], t.response_ids)
+        np.testing.assert_array_equal(b["mask"][i, col], t.loss_mask)
+        np.testing.assert_array_equal(b["sampler_logprobs"][i, col], t.logprobs)
+        assert b["mask"][i].sum() == t.loss_mask.sum()
+    cols = b["start"][:, None] + np.arange(32)
+    weights = jnp.asarray(rng.randn(4, 32), jnp.float32)
+    full_targets = np.zeros((4, 48), np.int32)  # the full-width layout: target t is token t + 1
+    for i, t in enumerate(trajs):
+        seq = t.prompt_ids + t.response_ids.tolist()
+        full_targets[i, :len(seq) - 1] = seq[1:]
+    full_targets = jnp.asarray(full_targets)
+
+    def window(p):
+        return token_logprobs(nnx.merge(graph, p), jnp.asarray(b["inputs"]), jnp.asarray(b["targets"]), chunk=8,
+                              start=jnp.asarray(b["start"]))[0]
+
+    def full(p):
+        lp = token_logprobs(nnx.merge(graph, p), jnp.asarray(b["inputs"]), full_targets, chunk=8)[0]
+        return jnp.take_along_axis(lp, jnp.asarray(cols), 1)
+
+    np.testing.assert_array_equal(np.asarray(full_targets)[np.arange(4)[:, None], cols][b["mask"] > 0],
+                                  b["targets"][b["mask"] > 0])
+    np.testing.assert_allclose(np.asarray(window(params))[b["mask"] > 0], np.asarray(full(params))[b["mask"] > 0],
+                               atol=1e-5)
+    m = jnp.asarray(b["mask"])
+    g_win, g_full = (jax.grad(lambda p, f=f: jnp.sum(f(p) * weights * m))(params) for f in (window, full))
+    jax.tree.map(lambda a, w: np.testing.assert_allclose(a, w, atol=1e-5), g_win, g_full)
+    trainer = GRPOTrainer(model, GRPOConfig(), OptimConfig(), micro_batch=2, logprob_chunk=8)
+    np.testing.assert_allclose(np.asarray(trainer.logprobs(params, b)), np.asarray(window(params)), atol=1e-5)
+    with pytest.raises(ValueError, match="response window of 16 in width 48"):
+        build_batch(trajs, adv, micro_batch=2, response=16)
 
 
 def _batch(rng, n=4, t=16, vocab=211):

@@ -15,32 +15,49 @@ def batch_width(trajs: Sequence[Trajectory], min_length: int = 32) -> int:
     return bucket_length(max(len(t.prompt_ids) + len(t.response_ids) for t in trajs) - 1, minimum=min_length)
 
 
-def build_batch(trajs: Sequence[Trajectory], advantages: np.ndarray, *, micro_batch: int,
-                pad_id: int = 0, width: int | None = None) -> dict[str, np.ndarray]:
-    """Arrays [N, T] with position t predicting token t+1 of prompt+response.
+def response_width(trajs: Sequence[Trajectory], min_length: int = 32) -> int:
+    """R of `build_batch`: the longest response, bucketed like T (so R <= T)."""
+    return bucket_length(max(len(t.response_ids) for t in trajs), minimum=min_length)
 
-    `mask` is 1 exactly on targets the policy sampled (0 on prompt, inserted results and
-    padding); rows are padded with all-zero-mask rows up to a multiple of `micro_batch`,
-    and T is `width` (default `batch_width(trajs)`; processes agree on one).
+
+def build_batch(trajs: Sequence[Trajectory], advantages: np.ndarray, *, micro_batch: int,
+                pad_id: int = 0, width: int | None = None, response: int | None = None) -> dict[str, np.ndarray]:
+    """Training arrays: `inputs` [N, T] (prompt + response), and a response window of R
+    targets per row: `targets`, `mask`, `sampler_logprobs` [N, R], where target j of row i is
+    the token after input position `start[i] + j` (see `token_logprobs`).
+
+    `mask` is 1 exactly on targets the policy sampled (0 on the prompt, inserted results and
+    padding); rows are padded with all-zero-mask rows up to a multiple of `micro_batch`. T is
+    `width` (default `batch_width(trajs)`), R is `response` (default `response_width(trajs)`);
+    processes agree on both.
     """
     seqs = [list(t.prompt_ids) + t.response_ids.tolist() for t in trajs]
     n = -(-len(seqs) // micro_batch) * micro_batch
     width = width or batch_width(trajs)
+    response = response or response_width(trajs)
     if max(len(s) for s in seqs) - 1 > width:
         raise ValueError(f"a trajectory of {max(len(s) for s in seqs)} tokens does not fit width {width}")
+    if max(len(t.response_ids) for t in trajs) > response or response > width:
+        raise ValueError(f"responses of up to {max(len(t.response_ids) for t in trajs)} tokens do not fit a "
+                         f"response window of {response} in width {width}")
     out = {
         "inputs": np.full((n, width), pad_id, np.int32),
-        "targets": np.full((n, width), pad_id, np.int32),
-        "mask": np.zeros((n, width), np.float32),
-        "sampler_logprobs": np.zeros((n, width), np.float32),
+        "start": np.zeros((n,), np.int32),
+        "targets": np.full((n, response), pad_id, np.int32),
+        "mask": np.zeros((n, response), np.float32),
+        "sampler_logprobs": np.zeros((n, response), np.float32),
         "advantages": np.zeros((n,), np.float32),
     }
     for i, (t, s) in enumerate(zip(trajs, seqs)):
         p, m = len(t.prompt_ids), len(s) - 1
         out["inputs"][i, :m] = s[:-1]
-        out["targets"][i, :m] = s[1:]
-        # Target index j is token j+1: response token r sits at target p - 1 + r.
-        out["mask"][i, p - 1:m] = t.loss_mask
-        out["sampler_logprobs"][i, p - 1:m] = t.logprobs
+        # Input position j predicts token j+1: response token r follows position p - 1 + r. A long
+        # prompt with a short response shifts the window left (those targets are prompt, mask 0).
+        start = min(p - 1, width - response)
+        end = min(start + response, m)
+        out["start"][i] = start
+        out["targets"][i, :end - start] = s[start + 1:end + 1]
+        out["mask"][i, p - 1 - start:m - start] = t.loss_mask
+        out["sampler_logprobs"][i, p - 1 - start:m - start] = t.logprobs
         out["advantages"][i] = advantages[i]
     return out

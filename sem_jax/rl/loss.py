@@ -26,16 +26,24 @@ class GRPOConfig:
 
 
 def token_logprobs(model: Qwen2, inputs: jax.Array, targets: jax.Array, chunk: int = 128,
-                   segment_ids: jax.Array | None = None, per_layer: bool = False) -> tuple[jax.Array, jax.Array]:
-    """log p(target_t | inputs_<=t) and entropy, [B, T] float32, without ever holding [B, T, V].
+                   segment_ids: jax.Array | None = None, per_layer: bool = False,
+                   start: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+    """log p(target | inputs up to its position) and entropy, float32 in the shape of `targets`,
+    without ever holding [B, T, V].
 
-    The LM head runs chunk by chunk of the sequence under `jax.checkpoint`, so the
-    backward pass recomputes each chunk's logits instead of storing them. `per_layer`: run
-    the layers one by one on slices of the stacked weights instead of scanning them (faster
-    on XLA:CPU, see `Qwen2.hidden_states`; compile time grows with depth).
+    Without `start`, targets are [B, T] and target t follows input position t. With `start`
+    ([B] int), targets are a window [B, R], R <= T: target j of row b follows input position
+    start[b] + j (start is clamped to T - R), and the LM head runs on those R positions only
+    (GRPO needs no log-probs on the prompt). The head runs chunk by chunk under
+    `jax.checkpoint`, so the backward pass recomputes each chunk's logits instead of storing
+    them. `per_layer`: run the layers one by one on slices of the stacked weights instead of
+    scanning them (faster on XLA:CPU, see `Qwen2.hidden_states`; compile time grows with depth).
     """
     layers = model.layer_list() if per_layer else None
     hidden, _ = model.hidden_states(inputs, segment_ids=segment_ids, layers=layers)
+    if start is not None:
+        width = targets.shape[1]
+        hidden = jax.vmap(lambda h, s: jax.lax.dynamic_slice_in_dim(h, s, width))(hidden, start)
     w = model.lm_head_weight()
     b, t, e = hidden.shape
     chunk = min(chunk, t)

@@ -17,6 +17,9 @@ from sem_jax.model.qwen2 import per_layer_default
 from sem_jax.rl.loss import GRPOConfig, grpo_loss, token_logprobs
 from sem_jax.sharding import put
 
+# What `token_logprobs` reads from a batch; "start" (a response window per row, `build_batch`) is optional.
+LOGPROB_KEYS = ("inputs", "targets", "start")
+
 
 @dataclasses.dataclass(frozen=True)
 class OptimConfig:
@@ -93,15 +96,15 @@ class GRPOTrainer:
     def _logprobs_fn(self, params, batch):
         def one(mb):
             lp, _ = token_logprobs(nnx.merge(self.graphdef, params), mb["inputs"], mb["targets"], self.chunk,
-                                   per_layer=self.per_layer)
+                                   per_layer=self.per_layer, start=mb.get("start"))
             return lp
-        mbs = _micro({"inputs": batch["inputs"], "targets": batch["targets"]}, self.micro_batch)
+        mbs = _micro({k: batch[k] for k in LOGPROB_KEYS if k in batch}, self.micro_batch)
         return _unmicro(jax.lax.map(one, mbs))
 
     def _update_fn(self, params, opt_state, batch, ref_logprobs):
         def loss_fn(p, mb):
             lp, ent = token_logprobs(nnx.merge(self.graphdef, p), mb["inputs"], mb["targets"], self.chunk,
-                                     per_layer=self.per_layer)
+                                     per_layer=self.per_layer, start=mb.get("start"))
             old = mb["old_logprobs"] if "old_logprobs" in mb else jax.lax.stop_gradient(lp)
             loss_sum, count, stats = grpo_loss(lp, old, mb.get("ref_logprobs"), mb["advantages"], mb["mask"],
                                                self.grpo)
@@ -141,8 +144,8 @@ class GRPOTrainer:
     # -- host API -----------------------------------------------------------------------
 
     def logprobs(self, params, batch: dict[str, np.ndarray]) -> jax.Array:
-        """Per-target log-probs [N, T] (for the reference policy, or old logprobs)."""
-        return self._logprobs(params, {k: batch[k] for k in ("inputs", "targets")})
+        """Per-target log-probs, shaped like `batch["targets"]` (for the reference policy, or old logprobs)."""
+        return self._logprobs(params, {k: batch[k] for k in LOGPROB_KEYS if k in batch})
 
     def reference_logprobs(self, ref_params, batch):
         """None when beta == 0: the reference pass is then never run."""
@@ -153,5 +156,5 @@ class GRPOTrainer:
 
     def update(self, params, opt_state, batch: dict[str, Any], ref_logprobs=None):
         """One optimizer step over all micro-batches. Donates params and opt_state."""
-        keys = ("inputs", "targets", "mask", "advantages", "sampler_logprobs", "old_logprobs")
+        keys = (*LOGPROB_KEYS, "mask", "advantages", "sampler_logprobs", "old_logprobs")
         return self._update(params, opt_state, {k: batch[k] for k in keys if k in batch}, ref_logprobs)
