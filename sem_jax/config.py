@@ -112,7 +112,7 @@ def base_config() -> ConfigDict:
 
 def demo_config() -> ConfigDict:
     """The embedded CPU default (`make demo`): a synthetic world, a tiny Qwen2 warm-started on
-    it, then GRPO with the SEM reward. No downloads; about 8 minutes on 2 cores."""
+    it, then GRPO with the SEM reward. No downloads; 8 to 9 minutes on 2 cores."""
     c = base_config()
     c.world.enabled = True
     # The tiny model reads every prompt token on every pass: a short instruction, same protocol.
