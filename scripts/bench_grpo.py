@@ -50,13 +50,14 @@ def executed_flops() -> float:
     """The matmul FLOPs sem_jax runs per iteration, fewer than `model_flops` counts: each prompt
     is prefilled once for its group with the LM head at its last token only, then NEW decode steps
     over all rows; the reference and update passes (3x) run the layers over the PROMPT_LEN + NEW - 1
-    input positions (bucketed to 96) and the LM head over the NEW response targets only."""
+    input positions (bucketed, as `build_batch` does) and the LM head over the NEW response targets only."""
+    from sem_jax.sampling.sampler import bucket_length
     cfg = _config()
     head = cfg.vocab_size * cfg.hidden_size
     layers = cfg.matmul_params - head
     rows = PROMPTS * G
     rollout = PROMPTS * (PROMPT_LEN * layers + head) + NEW * rows * cfg.matmul_params
-    train = rows * (96 * layers + NEW * head)
+    train = rows * (bucket_length(PROMPT_LEN + NEW - 1, 32) * layers + NEW * head)
     return 2.0 * (rollout + 4 * train)
 
 
