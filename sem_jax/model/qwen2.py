@@ -61,6 +61,11 @@ LAYER_CACHE_AXES = CACHE_AXES[1:]
 LAYER_KEY_AXES = ("batch", "act_kv_heads", "head_dim", "cache_length")
 
 
+def cache_axes(per_layer: bool) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """Logical axes of each key and value array of a stacked or per-layer `KVCache`."""
+    return (LAYER_KEY_AXES, LAYER_CACHE_AXES) if per_layer else (CACHE_AXES, CACHE_AXES)
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class KVCache:
@@ -254,12 +259,13 @@ class Qwen2(nnx.Module):
         c = self.config
         shape = (batch, c.num_kv_heads, max_length, c.head_dim)
         dtype = dtype or self.dtype
+        k_axes, v_axes = cache_axes(per_layer)
         if per_layer:
             zeros = lambda shape, axes: tuple(constrain(jnp.zeros(shape, dtype), axes) for _ in range(c.num_layers))
-            k = zeros((batch, c.num_kv_heads, c.head_dim, max_length), LAYER_KEY_AXES)
-            v = zeros(shape, LAYER_CACHE_AXES)
+            k = zeros((batch, c.num_kv_heads, c.head_dim, max_length), k_axes)
+            v = zeros(shape, v_axes)
         else:
-            k, v = (constrain(jnp.zeros((c.num_layers, *shape), dtype), CACHE_AXES) for _ in range(2))
+            k, v = (constrain(jnp.zeros((c.num_layers, *shape), dtype), axes) for axes in (k_axes, v_axes))
         return KVCache(k=k, v=v, lengths=jnp.zeros((batch,), jnp.int32))
 
     def layer_list(self, transposed: bool = False) -> list[dict[str, jax.Array]]:

@@ -18,8 +18,7 @@ import numpy as np
 from flax import nnx
 
 from sem_jax import hosts
-from sem_jax.model.qwen2 import (CACHE_AXES, LAYER_CACHE_AXES, LAYER_KEY_AXES, KVCache, Qwen2,
-                                 per_layer_default)
+from sem_jax.model.qwen2 import KVCache, Qwen2, cache_axes, per_layer_default
 from sem_jax.sharding import constrain, put
 from sem_jax.sampling.stop import StopAutomaton
 
@@ -160,7 +159,7 @@ def _prefill(graphdef, params, layers, prompts, lengths, key, *, group_size: int
     rows = lambda x: constrain(x, ("batch",) + ("length",) * (x.ndim - 1))
     fields = {f.name: rows(getattr(state, f.name)) for f in dataclasses.fields(state)
               if f.name not in ("cache", "key")}
-    k_axes, v_axes = (LAYER_KEY_AXES, LAYER_CACHE_AXES) if cache.per_layer else (CACHE_AXES, CACHE_AXES)
+    k_axes, v_axes = cache_axes(cache.per_layer)
     kv = lambda c, axes: jax.tree.map(lambda x: constrain(x, axes), c)
     cache = KVCache(k=kv(state.cache.k, k_axes), v=kv(state.cache.v, v_axes), lengths=rows(state.cache.lengths))
     return SamplerState(cache=cache, key=key, **fields)
