@@ -37,8 +37,7 @@ PROMPTS, G, PROMPT_LEN, NEW = 8, 8, 32, 64
 
 def _config():
     from sem_jax.model import Qwen2Config
-    return Qwen2Config(vocab_size=8192, hidden_size=256, intermediate_size=768, num_layers=4, num_heads=4,
-                       num_kv_heads=2, tie_word_embeddings=True)
+    return Qwen2Config.from_hf(CFG, source="the benchmark's CFG")
 
 
 def model_flops() -> float:
