@@ -37,9 +37,10 @@ def build_batch(trajs: Sequence[Trajectory], advantages: np.ndarray, *, micro_ba
     response = response or response_width(trajs)
     if max(len(s) for s in seqs) - 1 > width:
         raise ValueError(f"a trajectory of {max(len(s) for s in seqs)} tokens does not fit width {width}")
-    if max(len(t.response_ids) for t in trajs) > response or response > width:
-        raise ValueError(f"responses of up to {max(len(t.response_ids) for t in trajs)} tokens do not fit a "
-                         f"response window of {response} in width {width}")
+    longest = max(len(t.response_ids) for t in trajs)
+    if longest > response or response > width:
+        raise ValueError(f"responses of up to {longest} tokens do not fit a response window of {response} "
+                         f"in width {width}")
     out = {
         "inputs": np.full((n, width), pad_id, np.int32),
         "start": np.zeros((n,), np.int32),
