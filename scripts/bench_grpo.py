@@ -48,16 +48,19 @@ def model_flops() -> float:
 def executed_flops() -> float:
     """The matmul FLOPs sem_jax runs per iteration, fewer than `model_flops` counts: each prompt
     is prefilled once for its group with the LM head at its last token only, then NEW decode steps
-    over all rows; the reference and update passes (3x) run the layers over the PROMPT_LEN + NEW - 1
-    input positions (bucketed, as `build_batch` does) and the LM head over the NEW response targets only."""
+    over all rows; the reference and update passes (update 3x) run the layers over each group's
+    shared prefix (T - R input positions, bucketed as `build_batch` does) once and over each
+    row's R window positions, and the LM head over the NEW response targets only (one more
+    time in the update, which recomputes the head's logits in its backward pass)."""
     from sem_jax.sampling.sampler import bucket_length
     cfg = _config()
     head = cfg.vocab_size * cfg.hidden_size
     layers = cfg.matmul_params - head
     rows = PROMPTS * G
+    t, r = bucket_length(PROMPT_LEN + NEW - 1, 32), bucket_length(NEW, 32)
     rollout = PROMPTS * (PROMPT_LEN * layers + head) + NEW * rows * cfg.matmul_params
-    train = rows * (bucket_length(PROMPT_LEN + NEW - 1, 32) * layers + NEW * head)
-    return 2.0 * (rollout + 4 * train)
+    train_layers = (PROMPTS * (t - r) + rows * r) * layers
+    return 2.0 * (rollout + 4 * train_layers + 5 * rows * NEW * head)
 
 
 def matmul_peak(n: int = 2048, repeats: int = 5) -> float:
@@ -87,7 +90,7 @@ def bench_sem_jax(path: str, prompts: np.ndarray, iters: int) -> dict:
     sampler = Sampler(model, never, SamplingConfig(max_new_tokens=NEW, temperature=1.0))
     trainer = GRPOTrainer(model, GRPOConfig(beta=0.04, clip_eps=0.2),
                           OptimConfig(lr=1e-6, grad_clip=1.0, weight_decay=0.0), micro_batch=PROMPTS * G,
-                          logprob_chunk=32)
+                          logprob_chunk=32, group_size=G)
     _, params = nnx.split(model)
     ref = jax.tree.map(jnp.copy, params)
     opt = trainer.init_opt_state(params)
@@ -104,7 +107,7 @@ def bench_sem_jax(path: str, prompts: np.ndarray, iters: int) -> dict:
         rewards = rng.rand(PROMPTS * G)
         adv = ((rewards.reshape(-1, G) - rewards.reshape(-1, G).mean(1, keepdims=True))
                / (rewards.reshape(-1, G).std(1, keepdims=True) + 1e-6)).reshape(-1).astype(np.float32)
-        batch = build_batch(trajs, adv, micro_batch=PROMPTS * G)
+        batch = build_batch(trajs, adv, micro_batch=PROMPTS * G, group_size=G)
         t1 = time.perf_counter()
         ref_lp = trainer.reference_logprobs(ref, batch).block_until_ready()
         t2 = time.perf_counter()

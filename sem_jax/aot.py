@@ -25,6 +25,7 @@ from absl import logging as absl_logging
 from flax import nnx
 from ml_collections import ConfigDict, config_flags
 
+from sem_jax.hosts import batch_shards
 from sem_jax.model import Qwen2, Qwen2Config
 from sem_jax.model.hf_io import read_config
 from sem_jax.model.presets import preset
@@ -132,7 +133,8 @@ def check(config: ConfigDict, topology: str | None = None, hbm_gib: float | None
     micro = min(config.rl.micro_batch, rows_n)
     grpo = GRPOConfig(beta=config.rl.beta, clip_eps=config.rl.clip_eps, loss_agg=config.rl.loss_agg)
     trainer = GRPOTrainer(model, grpo, OptimConfig(**config.optim.to_dict()), micro_batch=micro,
-                          logprob_chunk=config.rl.logprob_chunk, per_layer=False)  # the scan, as on the TPU
+                          logprob_chunk=config.rl.logprob_chunk, per_layer=False,  # the scan, as on the TPU
+                          group_size=g, shards=batch_shards(mesh))
     out: list[Row] = []
     with jax.set_mesh(mesh):
         opt_shapes = jax.eval_shape(trainer.tx.init, params)

@@ -79,7 +79,9 @@ def base_config() -> ConfigDict:
     c.rl.loss_agg = "seq_mean_token_mean"  # | token_mean | dr_grpo
     c.rl.adv_eps = 1e-6
     c.rl.scale_adv_by_std = True         # False: Dr. GRPO advantages (mean removed only)
-    c.rl.micro_batch = 4                 # rows per gradient micro-batch
+    c.rl.micro_batch = 4                 # rows per gradient micro-batch; when each batch shard's share
+                                         # of it is a multiple of rollout.group_size (or shares a divisor
+                                         # with it), a group's prompt runs once for its rows
     c.rl.logprob_chunk = 128             # sequence chunk for the LM head in log-prob passes
 
     c.optim = ConfigDict(dict(lr=1e-6, weight_decay=0.01, b1=0.9, b2=0.999, eps=1e-8, grad_clip=1.0,

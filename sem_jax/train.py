@@ -34,7 +34,8 @@ from sem_jax.data.synthetic import texts as synthetic_texts
 from sem_jax.sft import warm_start
 from sem_jax.distributed import initialize as initialize_distributed
 from sem_jax.eval_lib import RECORD_KEYS, aggregate, run_mode, score_trajectory
-from sem_jax.hosts import CallLog, agree_max, check_shared_dir, gather_json, local_batch_multiple, to_global
+from sem_jax.hosts import (CallLog, agree_max, batch_shards, check_shared_dir, gather_json, local_batch_multiple,
+                           to_global)
 from sem_jax.metrics import MetricWriter
 from sem_jax.model import Qwen2Config
 from sem_jax.rl.advantages import group_advantages
@@ -122,10 +123,11 @@ def train(config: ConfigDict) -> dict[str, float]:
     micro = min(config.rl.micro_batch, rows)
     if micro % nproc:
         raise ValueError(f"rl.micro_batch={micro} must divide by the {nproc} processes")
+    trainer = GRPOTrainer(model, grpo, optim, micro_batch=micro, logprob_chunk=config.rl.logprob_chunk,
+                          group_size=g, shards=batch_shards(mesh))
     # Each process pads its rows so that the global batch splits into micro-batches and
-    # over the batch shards: a multiple of both shares.
-    row_multiple = int(np.lcm(micro // nproc, local_batch_multiple(mesh)))
-    trainer = GRPOTrainer(model, grpo, optim, micro_batch=micro, logprob_chunk=config.rl.logprob_chunk)
+    # over the batch shards, and its groups stay whole runs of the trainer's shared prompts.
+    row_multiple = int(np.lcm.reduce([micro // nproc, local_batch_multiple(mesh), trainer.share]))
 
     with jax.set_mesh(mesh):
         _, params = nnx.split(model)
@@ -197,7 +199,8 @@ def train(config: ConfigDict) -> dict[str, float]:
             adv = group_advantages(np.array(rewards), g, eps=config.rl.adv_eps,
                                    scale_by_std=config.rl.scale_adv_by_std)
             width, response = (agree_max(f(trajs)) for f in (batch_width, response_width))
-            host = build_batch(trajs, adv, micro_batch=row_multiple, pad_id=pad_id, width=width, response=response)
+            host = build_batch(trajs, adv, micro_batch=row_multiple, pad_id=pad_id, width=width, response=response,
+                               group_size=g)
             batch = {k: to_global(v, mesh) for k, v in host.items()}
             calls.record("update", batch)
             t0 = time.perf_counter()

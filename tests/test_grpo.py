@@ -161,6 +161,69 @@ def test_response_window_batch_is_the_full_batch_cut_to_the_responses():
         build_batch(trajs, adv, micro_batch=2, response=16)
 
 
+def _groups(rng, shapes, g):
+    """`g` trajectories per (prompt length, [response lengths]) entry, one prompt each."""
+    trajs = []
+    for i, (p, rs) in enumerate(shapes):
+        prompt = rng.randint(0, 211, p).tolist()
+        for r in rs:
+            mask = np.ones(r, np.int8)
+            mask[r // 3:r // 2] = 0
+            trajs.append(Trajectory(i, prompt, rng.randint(0, 211, r).astype(np.int32), mask,
+                                    rng.randn(r).astype(np.float32) * mask, 0, [], "", "length"))
+    return trajs
+
+
+@pytest.mark.parametrize("per_layer", [True, False])
+def test_shared_prompt_groups_equal_each_row_run_alone(per_layer):
+    """token_logprobs(group=G) runs each group's prompt once into a KV cache copied to its rows:
+    log-probs and parameter gradients equal the rows run alone, also for a group whose window
+    starts inside its prompt and for padding rows; its compiled pass does less work."""
+    model = random_qwen2(6)
+    graph, params = nnx.split(model)
+    rng = np.random.RandomState(6)
+    # T = 48, R = 32: group 0's windows start at 16 (inside its 40-token prompt), group 1's at 2.
+    trajs = _groups(rng, [(40, [5, 2, 4]), (3, [30, 7, 1]), (10, [12, 20, 9])], 3)
+    adv = rng.randn(9).astype(np.float32)
+    b = build_batch(trajs, adv, micro_batch=6, group_size=3)
+    assert b["inputs"].shape == (12, 48) and b["start"].tolist() == [16] * 3 + [2] * 3 + [9] * 3 + [0] * 3
+    args = [jnp.asarray(b[k]) for k in ("inputs", "targets", "start")]
+    weights = jnp.asarray(rng.randn(12, 32), jnp.float32) * jnp.asarray(b["mask"])
+
+    def lp(p, group):
+        x, y, start = args
+        return token_logprobs(nnx.merge(graph, p), x, y, chunk=8, per_layer=per_layer, start=start, group=group)[0]
+
+    np.testing.assert_allclose(np.asarray(lp(params, 3)), np.asarray(lp(params, 1)), atol=2e-5)
+    g_shared, g_alone = (jax.grad(lambda p, g=g: jnp.sum(lp(p, g) * weights))(params) for g in (3, 1))
+    # Sums over a group's rows in another order: rounding relative to each gradient's scale.
+    jax.tree.map(lambda a, w: np.testing.assert_allclose(a, w, atol=1e-5 * np.abs(w).max()), g_shared, g_alone)
+    flops = {g: jax.jit(lp, static_argnums=1).lower(params, g).compile().cost_analysis()["flops"] for g in (3, 1)}
+    assert flops[3] < 0.85 * flops[1], flops
+
+    # The trainer: runs of gcd(micro_batch, G) rows share; two micro-batches of two groups each.
+    trainers = {g: GRPOTrainer(model, GRPOConfig(beta=0.04), OptimConfig(lr=1e-2, eps=1.0), micro_batch=6,
+                               logprob_chunk=8, per_layer=per_layer, group_size=g) for g in (3, 1)}
+    assert trainers[3].share == 3 and trainers[1].share == 1
+    ref = {g: t.logprobs(params, b) for g, t in trainers.items()}
+    np.testing.assert_allclose(np.asarray(ref[3]), np.asarray(lp(params, 1)), atol=2e-5)
+    after = {g: _params_after(t, params, b, steps=1)[0] for g, t in trainers.items()}
+    jax.tree.map(lambda a, w: np.testing.assert_allclose(a, w, rtol=1e-4, atol=1e-5), after[3], after[1])
+
+
+def test_build_batch_checks_groups_share_their_prompt():
+    rng = np.random.RandomState(7)
+    trajs = _groups(rng, [(5, [3, 4]), (6, [2, 2])], 2)
+    adv = np.zeros(4, np.float32)
+    assert build_batch(trajs, adv, micro_batch=2, group_size=2)["inputs"].shape[0] == 4
+    with pytest.raises(ValueError, match="trajectory 2 has another prompt than trajectory 0"):
+        build_batch(trajs, adv, micro_batch=2, group_size=4)
+    with pytest.raises(ValueError, match="4 trajectories do not split into groups of 3"):
+        build_batch(trajs, adv, micro_batch=2, group_size=3)
+    with pytest.raises(ValueError, match="pass start"):
+        token_logprobs(random_qwen2(7), jnp.zeros((2, 8), jnp.int32), jnp.zeros((2, 8), jnp.int32), group=2)
+
+
 def _batch(rng, n=4, t=16, vocab=211):
     mask = np.zeros((n, t), np.float32)
     for i in range(n):

@@ -30,6 +30,11 @@ def test_one_process_round_trip_and_micro_batches():
     assert mb.shape == (4, 4, 3)
     np.testing.assert_array_equal(np.asarray(mb[1, :, 0]), rows[[1, 5, 9, 13], 0])
     np.testing.assert_array_equal(np.asarray(_unmicro(mb)), rows)
+    # Runs of 2 rows (a group's shared prompt) stay together: micro-batch 1 holds runs 1 and 5.
+    mb = _micro({"x": jnp.asarray(rows)}, 4, unit=2)["x"]
+    assert mb.shape == (4, 4, 3)
+    np.testing.assert_array_equal(np.asarray(mb[1, :, 0]), rows[[2, 3, 10, 11], 0])
+    np.testing.assert_array_equal(np.asarray(_unmicro(mb, unit=2)), rows)
 
 
 _TWO = textwrap.dedent("""

@@ -92,6 +92,13 @@ class KVCache:
     def max_length(self) -> int:
         return (self.v[0] if self.per_layer else self.v).shape[-2]
 
+    def repeat_rows(self, n: int) -> "KVCache":
+        """Each row copied to `n` consecutive rows (row r -> rows r * n ... r * n + n - 1)."""
+        rep = lambda x, axis: jnp.repeat(x, n, axis=axis)
+        axis = 0 if self.per_layer else 1  # stacked caches lead with the layer axis
+        kv = lambda c: jax.tree.map(lambda x: rep(x, axis), c)
+        return KVCache(k=kv(self.k), v=kv(self.v), lengths=rep(self.lengths, 0))
+
 
 def _layer_shapes(cfg: Qwen2Config) -> dict[str, tuple[int, ...]]:
     l, e, h, k, d, m = (cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads,

@@ -21,7 +21,8 @@ def response_width(trajs: Sequence[Trajectory], min_length: int = 32) -> int:
 
 
 def build_batch(trajs: Sequence[Trajectory], advantages: np.ndarray, *, micro_batch: int,
-                pad_id: int = 0, width: int | None = None, response: int | None = None) -> dict[str, np.ndarray]:
+                pad_id: int = 0, width: int | None = None, response: int | None = None,
+                group_size: int = 1) -> dict[str, np.ndarray]:
     """Training arrays: `inputs` [N, T] (prompt + response), and a response window of R
     targets per row: `targets`, `mask`, `sampler_logprobs` [N, R], where target j of row i is
     the token after input position `start[i] + j` (see `token_logprobs`).
@@ -30,7 +31,17 @@ def build_batch(trajs: Sequence[Trajectory], advantages: np.ndarray, *, micro_ba
     padding); rows are padded with all-zero-mask rows up to a multiple of `micro_batch`. T is
     `width` (default `batch_width(trajs)`), R is `response` (default `response_width(trajs)`);
     processes agree on both.
+
+    `group_size`: trajectories come in groups of this many consecutive ones with the same
+    prompt (the rollout's order), which `GRPOTrainer(group_size=)` computes once per group;
+    anything else is a `ValueError` naming the row.
     """
+    if len(trajs) % group_size:
+        raise ValueError(f"{len(trajs)} trajectories do not split into groups of {group_size}")
+    for i, t in enumerate(trajs):
+        if list(t.prompt_ids) != list(trajs[i - i % group_size].prompt_ids):
+            raise ValueError(f"trajectory {i} has another prompt than trajectory {i - i % group_size}, "
+                             f"the first of its group of {group_size}")
     seqs = [list(t.prompt_ids) + t.response_ids.tolist() for t in trajs]
     n = -(-len(seqs) // micro_batch) * micro_batch
     width = width or batch_width(trajs)

@@ -27,7 +27,7 @@ class GRPOConfig:
 
 def token_logprobs(model: Qwen2, inputs: jax.Array, targets: jax.Array, chunk: int = 128,
                    segment_ids: jax.Array | None = None, per_layer: bool = False,
-                   start: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+                   start: jax.Array | None = None, group: int = 1) -> tuple[jax.Array, jax.Array]:
     """log p(target | inputs up to its position) and entropy, float32 in the shape of `targets`,
     without ever holding [B, T, V].
 
@@ -38,12 +38,20 @@ def token_logprobs(model: Qwen2, inputs: jax.Array, targets: jax.Array, chunk: i
     `jax.checkpoint`, so the backward pass recomputes each chunk's logits instead of storing
     them. `per_layer`: run the layers one by one on slices of the stacked weights instead of
     scanning them (faster on XLA:CPU, see `Qwen2.hidden_states`; compile time grows with depth).
+
+    `group` (with `start`): rows come in runs of `group` that share their inputs before `start`
+    (a GRPO group: one prompt, G responses; `build_batch(group_size=)` checks it). Each run's
+    prefix is then computed once, into a KV cache copied to its rows, and each row runs only its
+    R window positions on top of it: the same values (and gradients, summed over the run), for
+    the prompt's work once per group instead of once per row, as the sampler's prefill does.
     """
     layers = model.layer_list() if per_layer else None
-    hidden, _ = model.hidden_states(inputs, segment_ids=segment_ids, layers=layers)
-    if start is not None:
-        width = targets.shape[1]
-        hidden = jax.vmap(lambda h, s: jax.lax.dynamic_slice_in_dim(h, s, width))(hidden, start)
+    if start is None:
+        if group != 1:
+            raise ValueError("token_logprobs(group=...) shares the prefix before each row's window: pass start")
+        hidden, _ = model.hidden_states(inputs, segment_ids=segment_ids, layers=layers)
+    else:
+        hidden = _window_hidden(model, inputs, start, targets.shape[1], group, layers)
     w = model.lm_head_weight()
     b, t, e = hidden.shape
     chunk = min(chunk, t)
@@ -64,6 +72,26 @@ def token_logprobs(model: Qwen2, inputs: jax.Array, targets: jax.Array, chunk: i
 
     lp, ent = jax.lax.map(one, (h, tg))
     return lp.swapaxes(0, 1).reshape(b, t), ent.swapaxes(0, 1).reshape(b, t)
+
+
+def _window_hidden(model: Qwen2, inputs: jax.Array, start: jax.Array, width: int, group: int,
+                   layers) -> jax.Array:
+    """Hidden states [N, R] at input positions start[b] + j, j < R = `width` (start <= T - R)."""
+    n, t = inputs.shape
+    window = lambda x: jax.vmap(lambda row, s: jax.lax.dynamic_slice_in_dim(row, s, width))(x, start)
+    prefix = t - width  # the longest shared prefix: every start is at most T - R
+    if group == 1 or prefix == 0:
+        hidden, _ = model.hidden_states(inputs, layers=layers)
+        return window(hidden)
+    if n % group:
+        raise ValueError(f"{n} rows do not split into groups of {group} sharing a prompt")
+    first = lambda x: x.reshape(n // group, group, *x.shape[1:])[:, 0]
+    cache = model.init_cache(n // group, t, per_layer=layers is not None)
+    # Slots past a row's start hold prefix padding; its window overwrites or masks them.
+    _, cache = model.hidden_states(first(inputs)[:, :prefix], cache=cache, num_new=first(start), window=0,
+                                   layers=layers)
+    hidden, _ = model.hidden_states(window(inputs), cache=cache.repeat_rows(group), window=prefix, layers=layers)
+    return hidden
 
 
 def grpo_loss(logprobs: jax.Array, old_logprobs: jax.Array, ref_logprobs: jax.Array | None,

@@ -4,6 +4,7 @@ non-finite guard that skips (and counts) a bad step instead of applying it."""
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 import jax
@@ -53,16 +54,23 @@ def make_optimizer(cfg: OptimConfig) -> optax.GradientTransformation:
                        optax.adamw(sched, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay))
 
 
-def _micro(batch: dict[str, jax.Array], size: int) -> dict[str, jax.Array]:
-    """[N, ...] -> [N / size, size, ...], micro-batch j holding rows j, j + N/size, ...: rows are
-    sharded in contiguous blocks over the batch axes (one per device, one range per process), so
-    strided micro-batches keep every device busy in each of them."""
-    return {k: v.reshape(size, v.shape[0] // size, *v.shape[1:]).swapaxes(0, 1) for k, v in batch.items()}
+def _micro(batch: dict[str, jax.Array], size: int, unit: int = 1) -> dict[str, jax.Array]:
+    """[N, ...] -> [N / size, size, ...], micro-batch j holding runs j, j + N/size, ... of `unit`
+    consecutive rows (rows j, j + N/size, ... for unit 1): rows are sharded in contiguous blocks
+    over the batch axes (one per device, one range per process), so strided micro-batches keep
+    every device busy in each of them; runs (rows sharing a prompt) stay whole."""
+    def split(v):
+        n = v.shape[0]
+        v = v.reshape(size // unit, n // size, unit, *v.shape[1:]).swapaxes(0, 1)
+        return v.reshape(n // size, size, *v.shape[3:])
+    return {k: split(v) for k, v in batch.items()}
 
 
-def _unmicro(x: jax.Array) -> jax.Array:
+def _unmicro(x: jax.Array, unit: int = 1) -> jax.Array:
     """The inverse of `_micro` for one array: [N / size, size, ...] -> [N, ...]."""
-    return x.swapaxes(0, 1).reshape(-1, *x.shape[2:])
+    m, size = x.shape[:2]
+    x = x.reshape(m, size // unit, unit, *x.shape[2:]).swapaxes(0, 1)
+    return x.reshape(m * size, *x.shape[3:])
 
 
 class GRPOTrainer:
@@ -70,12 +78,19 @@ class GRPOTrainer:
 
     `per_layer` (default: `per_layer_default()`) runs the layers one by one instead of under the
     layer scan (`token_logprobs`); pass False to compile for another backend from a CPU host.
+
+    `group_size`: batches hold groups of this many consecutive rows with one prompt (the
+    rollout's G; `build_batch(group_size=)` checks it). Runs of `share` rows then compute their
+    prompt once (`token_logprobs(group=)`), `share` being the largest divisor of G that also
+    divides the rows each of the `shards` batch shards holds in a micro-batch (a run never spans
+    devices); the row count of a batch must be a multiple of `share` on every process.
     """
 
     def __init__(self, model: Any, grpo: GRPOConfig, optim: OptimConfig, *, micro_batch: int,
-                 logprob_chunk: int = 128, per_layer: bool | None = None):
+                 logprob_chunk: int = 128, per_layer: bool | None = None, group_size: int = 1, shards: int = 1):
         self.graphdef, _ = nnx.split(model)
         self.grpo, self.micro_batch, self.chunk = grpo, micro_batch, logprob_chunk
+        self.share = math.gcd(micro_batch // shards, group_size) if micro_batch % shards == 0 else 1
         self.per_layer = per_layer_default() if per_layer is None else per_layer
         self.tx = make_optimizer(optim)
         self.ref_passes = 0  # reference forward passes run (0 when beta == 0)
@@ -95,16 +110,18 @@ class GRPOTrainer:
 
     def _logprobs_fn(self, params, batch):
         def one(mb):
-            lp, _ = token_logprobs(nnx.merge(self.graphdef, params), mb["inputs"], mb["targets"], self.chunk,
-                                   per_layer=self.per_layer, start=mb.get("start"))
-            return lp
-        mbs = _micro({k: batch[k] for k in LOGPROB_KEYS if k in batch}, self.micro_batch)
-        return _unmicro(jax.lax.map(one, mbs))
+            return self._token_logprobs(params, mb)[0]
+        mbs = _micro({k: batch[k] for k in LOGPROB_KEYS if k in batch}, self.micro_batch, self.share)
+        return _unmicro(jax.lax.map(one, mbs), self.share)
+
+    def _token_logprobs(self, params, mb):
+        start = mb.get("start")
+        return token_logprobs(nnx.merge(self.graphdef, params), mb["inputs"], mb["targets"], self.chunk,
+                              per_layer=self.per_layer, start=start, group=1 if start is None else self.share)
 
     def _update_fn(self, params, opt_state, batch, ref_logprobs):
         def loss_fn(p, mb):
-            lp, ent = token_logprobs(nnx.merge(self.graphdef, p), mb["inputs"], mb["targets"], self.chunk,
-                                     per_layer=self.per_layer, start=mb.get("start"))
+            lp, ent = self._token_logprobs(p, mb)
             old = mb["old_logprobs"] if "old_logprobs" in mb else jax.lax.stop_gradient(lp)
             loss_sum, count, stats = grpo_loss(lp, old, mb.get("ref_logprobs"), mb["advantages"], mb["mask"],
                                                self.grpo)
@@ -116,7 +133,7 @@ class GRPOTrainer:
         data = dict(batch)
         if ref_logprobs is not None:
             data["ref_logprobs"] = ref_logprobs
-        mbs = _micro(data, self.micro_batch)
+        mbs = _micro(data, self.micro_batch, self.share)
         zeros = jax.tree.map(jnp.zeros_like, params)
 
         def body(carry, mb):

@@ -125,6 +125,7 @@ def rollout(sampler: Sampler, tokenizer, retriever, prompts: Sequence[Sequence[i
             blocks[row] = blocks[row][:max(0, budget - int(lens[row]))]
         t0 = time.perf_counter()
         state = sampler.insert(state, blocks, end)
+        jax.block_until_ready(state.resp_len)  # time the append-prefill, not its dispatch (decode syncs next anyway)
         stats.insert_s += time.perf_counter() - t0
 
     resp, lp, sampled, lens, eos = (sampler.local(x) for x in (state.resp, state.resp_logprob, state.resp_sampled,

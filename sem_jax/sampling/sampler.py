@@ -143,13 +143,10 @@ def _prefill(graphdef, params, layers, prompts, lengths, key, *, group_size: int
     cache = model.init_cache(p, cache_len, cache_dtype, per_layer=layers is not None)
     last, cache = _extend_last(model, layers, prompts, cache, lengths, window=0)  # nothing to read yet
     # Each prompt is prefilled once; its cache is copied to its G group members.
-    rep = lambda x, axis: jnp.repeat(x, group_size, axis=axis)
-    row_axis = 0 if cache.per_layer else 1
-    kv = lambda c: jax.tree.map(lambda x: rep(x, row_axis), c)
-    cache = KVCache(k=kv(cache.k), v=kv(cache.v), lengths=rep(cache.lengths, 0))
+    cache = cache.repeat_rows(group_size)
     b = p * group_size
     state = SamplerState(
-        cache=cache, logits=rep(last, 0),
+        cache=cache, logits=jnp.repeat(last, group_size, axis=0),
         resp=jnp.zeros((b, resp_len), jnp.int32), resp_logprob=jnp.zeros((b, resp_len), jnp.float32),
         resp_sampled=jnp.zeros((b, resp_len), bool), resp_len=jnp.zeros((b,), jnp.int32),
         stop_state=jnp.zeros((b,), jnp.int32), paused=jnp.zeros((b,), bool),
