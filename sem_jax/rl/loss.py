@@ -76,13 +76,14 @@ def token_logprobs(model: Qwen2, inputs: jax.Array, targets: jax.Array, chunk: i
 
 def _window_hidden(model: Qwen2, inputs: jax.Array, start: jax.Array, width: int, group: int,
                    layers) -> jax.Array:
-    """Hidden states [N, R] at input positions start[b] + j, j < R = `width` (start <= T - R)."""
+    """Hidden states [N, R] at input positions start[b] + j, j < R = `width`."""
     n, t = inputs.shape
-    window = lambda x: jax.vmap(lambda row, s: jax.lax.dynamic_slice_in_dim(row, s, width))(x, start)
-    prefix = t - width  # the longest shared prefix: every start is at most T - R
+    prefix = t - width  # the longest shared prefix
+    start = jnp.minimum(start, prefix)  # as dynamic_slice would clamp it (and the prefix's cache must agree)
+    cut = lambda x: jax.vmap(lambda row, s: jax.lax.dynamic_slice_in_dim(row, s, width))(x, start)
     if group == 1 or prefix == 0:
         hidden, _ = model.hidden_states(inputs, layers=layers)
-        return window(hidden)
+        return cut(hidden)
     if n % group:
         raise ValueError(f"{n} rows do not split into groups of {group} sharing a prompt")
     first = lambda x: x.reshape(n // group, group, *x.shape[1:])[:, 0]
@@ -90,7 +91,7 @@ def _window_hidden(model: Qwen2, inputs: jax.Array, start: jax.Array, width: int
     # Slots past a row's start hold prefix padding; its window overwrites or masks them.
     _, cache = model.hidden_states(first(inputs)[:, :prefix], cache=cache, num_new=first(start), window=0,
                                    layers=layers)
-    hidden, _ = model.hidden_states(window(inputs), cache=cache.repeat_rows(group), window=prefix, layers=layers)
+    hidden, _ = model.hidden_states(cut(inputs), cache=cache.repeat_rows(group), window=prefix, layers=layers)
     return hidden
 
 
