@@ -12,7 +12,9 @@ Also greedy with per-layer weights and KV cache (the CPU default) against the st
 under a scan; the same greedy tokens under a 1024-token response budget, attention over a growing
 window of the KV cache (the default) against the whole preallocated cache; and the cost of
 pausing: the same generated tokens with 2 search pauses per row (full rollout host loop:
-parse, one retriever call per round, tokenize, append-prefill).
+parse, one retriever call per round, tokenize, append-prefill). And a bound: the time the run's
+weight matmuls alone take here (`matmul_floor`), so HF's time over it is the largest speedup any
+sampler built on these kernels could show.
 """
 
 from __future__ import annotations
@@ -93,6 +95,49 @@ def _timed(fn, repeats):
     return statistics.median(times)
 
 
+def matmul_floor(spec, repeats, dtype) -> float:
+    """Seconds the run's weight matmuls alone take on this backend: the prefill's b x p tokens
+    through every projection (LM head at the last token), then new - 1 steps of b rows through
+    every projection and the LM head, with only the glue that chains them (an RMS scale per
+    layer, a max over the logits); the faster of [out, in] (the sampler's copy) and [in, out]
+    weights. No sampler computing these products with this backend's kernels finishes sooner."""
+    import jax.numpy as jnp
+
+    c = spec["cfg"]
+    e, inter, vocab = c["hidden_size"], c["intermediate_size"], c["vocab_size"]
+    kv = e // c["num_attention_heads"] * c["num_key_value_heads"]
+    shapes = [(e, e), (kv, e), (kv, e), (e, e), (inter, e), (inter, e), (e, inter)]  # q k v o gate up down
+    keys = jax.random.split(jax.random.key(0), c["num_hidden_layers"] + 1)
+    head = jax.random.normal(keys[0], (vocab, e), dtype) / np.sqrt(e)
+    b, p, new = spec["batch"], spec["prompt"], spec["new"]
+    tokens = jax.random.normal(jax.random.key(1), (b, p, e), dtype)
+    times = []
+    for out_in in (True, False):
+        layers = [[jax.random.normal(k, s if out_in else s[::-1], dtype) / np.sqrt(s[1])
+                   for k, s in zip(jax.random.split(lk, 7), shapes)] for lk in keys[1:]]
+        mm = (lambda x, w: jax.lax.dot_general(x, w, (((1,), (1,)), ((), ())))) if out_in else jnp.dot
+
+        def forward(x, layers=layers, mm=mm):
+            for q, k, v, o, g, u, d in layers:
+                x = x * jax.lax.rsqrt(jnp.mean(jnp.square(x), -1, keepdims=True) + 1e-6)
+                kv_sum = jnp.sum(mm(x, k), -1, keepdims=True) + jnp.sum(mm(x, v), -1, keepdims=True)
+                x = x + mm(mm(x, q), o) + 1e-6 * kv_sum
+                x = x + mm(mm(x, g) * mm(x, u), d)
+            return x
+
+        def glue(x, h):
+            return x + 1e-6 * jnp.max(jax.lax.dot_general(h, head, (((1,), (1,)), ((), ()))), -1, keepdims=True)
+
+        @jax.jit
+        def run(tokens, forward=forward):  # the first token from the prefill's logits, then new - 1 steps
+            x = glue(tokens[:, -1], forward(tokens.reshape(b * p, e)).reshape(b, p, e)[:, -1])
+            return jax.lax.fori_loop(0, new - 1, lambda i, x: glue(x, forward(x)), x)
+
+        run(tokens).block_until_ready()
+        times.append(_timed(lambda: run(tokens).block_until_ready(), repeats))
+    return min(times)
+
+
 def bench_shape(name, spec, repeats, dtype, save_dir=None):
     import torch
     import transformers
@@ -153,6 +198,15 @@ def bench_shape(name, spec, repeats, dtype, save_dir=None):
                           sem_jax_first_call_s=compile_s)
         print(f"[{name}] {mode:8s} sem_jax {tokens / ours:9.1f} tok/s | HF generate {tokens / theirs:9.1f} tok/s"
               f" | x{theirs / ours:.2f} | first call (compile) {compile_s:.1f}s", flush=True)
+
+    # What the host's matmul kernels allow at these shapes, as a bound on any ratio to HF.
+    floor = matmul_floor(spec, repeats, getattr(jax.numpy, dtype))
+    bound = {mode: rows[mode]["hf_generate_s"] / floor for mode in ("greedy", "sampled")}
+    rows["matmul_floor"] = dict(seconds=floor, max_speedup_greedy=bound["greedy"], max_speedup_sampled=bound["sampled"],
+                                sem_jax_greedy_over_floor=rows["greedy"]["sem_jax_s"] / floor)
+    print(f"[{name}] the run's weight matmuls alone: {floor:.3f}s (sem_jax greedy {rows['greedy']['sem_jax_s']:.3f}s); "
+          f"no sampler built on these kernels beats HF generate by more than x{bound['greedy']:.2f} greedy, "
+          f"x{bound['sampled']:.2f} sampled", flush=True)
 
     def greedy_tok_s(budget, **sampler_kw):
         """Greedy tokens/s, every row stopped after `new` steps, of a Sampler with these options."""

@@ -133,6 +133,17 @@ def test_inverse_cdf_sampling_matches_distribution():
     assert counts[probs < 1e-7].sum() == 0
 
 
+def test_inverse_cdf_falls_back_to_argmax_on_a_zero_probability_entry(monkeypatch):
+    """A uniform at the top of its range walks past the last chunk's mass onto zero-probability
+    entries (float rounding does this rarely); the sample is then the row's argmax."""
+    from sem_jax.sampling.sampler import _inverse_cdf
+    probs = np.zeros((2, 700), np.float32)
+    probs[0, 10], probs[0, 300] = 1.0, 0.5  # the last chunk (512..699) is all zeros
+    probs[1, 699] = 1.0                     # its walk ends on a real entry: no fallback
+    monkeypatch.setattr(jax.random, "uniform", lambda key, shape: jnp.ones(shape))
+    np.testing.assert_array_equal(np.asarray(_inverse_cdf(jnp.asarray(probs), jax.random.key(0))), [10, 699])
+
+
 def test_argmax_matches_numpy_with_ties_and_nan():
     from sem_jax.sampling.sampler import argmax
     x = np.random.RandomState(0).randint(0, 5, (64, 300)).astype(np.float32)  # many ties

@@ -123,9 +123,10 @@ def _inverse_cdf(probs: jax.Array, key: jax.Array, width: int = 256) -> jax.Arra
     block = jnp.take_along_axis(p, c[:, None, None], 1)[:, 0]
     j = jnp.minimum(jnp.sum(jnp.cumsum(block, -1) <= rest[:, None], -1), width - 1)
     tok = jnp.minimum(c * width + j, v - 1)
-    # Float rounding at a boundary can land on a zero-probability entry: fall back to argmax.
+    # Float rounding at a boundary can land on a zero-probability entry: fall back to argmax,
+    # under a cond since it is rare and the [B, V] argmax costs as much as the rest here.
     bad = jnp.take_along_axis(probs, tok[:, None], -1)[:, 0] == 0
-    return jnp.where(bad, argmax(probs), tok).astype(jnp.int32)
+    return jax.lax.cond(jnp.any(bad), lambda: jnp.where(bad, argmax(probs), tok), lambda: tok).astype(jnp.int32)
 
 
 def _extend_last(model: Qwen2, layers, tokens, cache, n, window: int) -> tuple[jax.Array, KVCache]:
