@@ -145,11 +145,16 @@ def test_inverse_cdf_falls_back_to_argmax_on_a_zero_probability_entry(monkeypatc
 
 
 def test_argmax_matches_numpy_with_ties_and_nan():
-    from sem_jax.sampling.sampler import argmax
+    from sem_jax.sampling.sampler import argmax, max_argmax
     x = np.random.RandomState(0).randint(0, 5, (64, 300)).astype(np.float32)  # many ties
     x[5, :] = -np.inf
+    x[6, 299] = 9.0  # the maximum in the last, padded chunk
     np.testing.assert_array_equal(np.asarray(jax.jit(argmax)(x)), np.argmax(x, -1))
     assert argmax(jnp.asarray(x)).dtype == jnp.int32
+    for width in (7, 64, 512):
+        top, idx = max_argmax(jnp.asarray(x), width)
+        np.testing.assert_array_equal(np.asarray(idx), np.argmax(x, -1))
+        np.testing.assert_array_equal(np.asarray(top)[:, 0], np.max(x, -1))
     x[3, 7] = x[9, :] = np.nan  # a broken row still gets a valid id (a NaN's or a maximum's)
     got = np.asarray(jax.jit(argmax)(x))
     assert got[9] == 0 and (got[3] == 7 or x[3, got[3]] == np.nanmax(x[3]))

@@ -69,14 +69,31 @@ class SamplerState:
         return ~self.done & ~self.paused
 
 
-def argmax(x: jax.Array, top: jax.Array | None = None) -> jax.Array:
-    """`jnp.argmax(x, -1)` as int32 (the first maximum) by plain reductions: XLA's CPU argmax
-    is a two-operand reduce that does not vectorise over a vocabulary. `top`: the row maxima
-    [..., 1] when already at hand. A row with NaN gets a NaN's or a maximum's index, always
-    one in range."""
-    top = jnp.max(x, -1, keepdims=True) if top is None else top
-    iota = jax.lax.broadcasted_iota(jnp.int32, x.shape, x.ndim - 1)
-    return jnp.min(jnp.where((x == top) | jnp.isnan(x), iota, x.shape[-1]), -1)
+def max_argmax(x: jax.Array, width: int = 256) -> tuple[jax.Array, jax.Array]:
+    """Row maxima [..., 1] and `jnp.argmax(x, -1)` as int32 (the first maximum) in one pass over
+    x: the maxima of chunks of `width` entries, then the first maximum inside the first chunk
+    that holds one. (XLA's CPU argmax is a two-operand reduce that does not vectorise over a
+    vocabulary; a max pass and then an index pass read the logits twice.) A row with NaN gets a
+    NaN's or a maximum's index, always one in range."""
+    *lead, v = x.shape
+    chunks = -(-v // width)
+    pad = [(0, 0)] * len(lead) + [(0, chunks * width - v)]
+    xc = jnp.pad(x, pad, constant_values=-jnp.inf).reshape(*lead, chunks, width)
+    chunk_max = jnp.max(xc, -1)
+    top = jnp.max(chunk_max, -1, keepdims=True)
+
+    def first(hit, n):  # index of the first True, n - 1 if none
+        iota = jax.lax.broadcasted_iota(jnp.int32, hit.shape, hit.ndim - 1)
+        return jnp.min(jnp.where(hit, iota, n - 1), -1)
+
+    c = first((chunk_max == top) | jnp.isnan(chunk_max), chunks)
+    block = jnp.take_along_axis(xc, c[..., None, None], -2)[..., 0, :]
+    return top, c * width + first((block == top) | jnp.isnan(block), width)
+
+
+def argmax(x: jax.Array) -> jax.Array:
+    """`jnp.argmax(x, -1)` as int32, by `max_argmax`."""
+    return max_argmax(x)[1]
 
 
 def sample_tokens(logits: jax.Array, key: jax.Array, cfg: SamplingConfig) -> tuple[jax.Array, jax.Array]:
@@ -84,9 +101,9 @@ def sample_tokens(logits: jax.Array, key: jax.Array, cfg: SamplingConfig) -> tup
     scaled = logits if cfg.greedy else logits / cfg.temperature
     if cfg.greedy or (not cfg.top_k and cfg.top_p == 1.0):
         # Token and log-prob straight from exp(x - max): no [B, V] log-softmax on the way.
-        top = jnp.max(scaled, -1, keepdims=True)
+        top, tok = max_argmax(scaled) if cfg.greedy else (jnp.max(scaled, -1, keepdims=True), None)
         p = jnp.exp(scaled - top)
-        tok = argmax(scaled, top) if cfg.greedy else _inverse_cdf(p, key)
+        tok = tok if cfg.greedy else _inverse_cdf(p, key)
         picked = jnp.take_along_axis(scaled, tok[:, None], -1)[:, 0]
         return tok, picked - top[:, 0] - jnp.log(jnp.sum(p, -1))
     logp = jax.nn.log_softmax(scaled, -1)
