@@ -103,7 +103,8 @@ def sample_tokens(logits: jax.Array, key: jax.Array, cfg: SamplingConfig) -> tup
         # Token and log-prob straight from exp(x - max): no [B, V] log-softmax on the way.
         top, tok = max_argmax(scaled) if cfg.greedy else (jnp.max(scaled, -1, keepdims=True), None)
         p = jnp.exp(scaled - top)
-        tok = tok if cfg.greedy else _inverse_cdf(p, key)
+        if tok is None:
+            tok = _inverse_cdf(p, key)
         picked = jnp.take_along_axis(scaled, tok[:, None], -1)[:, 0]
         return tok, picked - top[:, 0] - jnp.log(jnp.sum(p, -1))
     logp = jax.nn.log_softmax(scaled, -1)
