@@ -144,7 +144,16 @@ def _inverse_cdf(probs: jax.Array, key: jax.Array, width: int = 256) -> jax.Arra
     # Float rounding at a boundary can land on a zero-probability entry: fall back to argmax,
     # under a cond since it is rare and the [B, V] argmax costs as much as the rest here.
     bad = jnp.take_along_axis(probs, tok[:, None], -1)[:, 0] == 0
-    return jax.lax.cond(jnp.any(bad), lambda: jnp.where(bad, argmax(probs), tok), lambda: tok).astype(jnp.int32)
+    return jax.lax.cond(jnp.any(bad), _argmax_where, _keep, bad, tok, probs).astype(jnp.int32)
+
+
+# Module-level branches: eager callers then hit one traced and compiled cond, not a new one per call.
+def _argmax_where(bad, tok, probs):
+    return jnp.where(bad, argmax(probs), tok)
+
+
+def _keep(bad, tok, probs):
+    return tok
 
 
 def _extend_last(model: Qwen2, layers, tokens, cache, n, window: int) -> tuple[jax.Array, KVCache]:
