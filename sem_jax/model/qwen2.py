@@ -122,6 +122,14 @@ def param_shapes(cfg: Qwen2Config) -> dict[str, tuple[tuple[int, ...], tuple[str
     return out
 
 
+def _dense(x2: jax.Array, p: dict[str, jax.Array], name: str, hidden: int) -> jax.Array:
+    """A projection as a 2-D matmul over (batch * length): XLA's dot (and its transpose in the
+    backward pass) is far faster than with two batch-like dims."""
+    if name + "_t" in p:  # [out, in] (layer_list(transposed=True))
+        return jax.lax.dot_general(x2, p[name + "_t"], (((1,), (1,)), ((), ())))
+    return jnp.dot(x2, kernel_matrix(name, p[name], hidden))
+
+
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     # As HF: normalise in f32, cast back, then scale.
     xf = x.astype(jnp.float32)
@@ -294,122 +302,161 @@ class Qwen2(nnx.Module):
                       layers: list[dict[str, jax.Array]] | None = None) -> tuple[jax.Array, KVCache | None]:
         """Final-normed hidden states [B, T, E], and the updated cache when one is given.
 
-        `window` (static, with a cache): attention reads only the first `window` cache slots
-        (0: none, as in a prefill; None: all). The caller guarantees every row that matters
-        has at most `window` filled slots; the writes still go to the whole cache. (A per-layer
-        cache holds this call's keys before they are read: it reads `window + T` slots.)
+        Without a cache (`forward`): `attention_mask` [B, T] marks real tokens, or
+        `segment_ids` [B, T] packs several sequences in a row (a token sees only its own run of
+        equal ids; positions restart at each run).
 
-        `segment_ids` [B, T] (no cache): several sequences packed in one row, each a run of
-        equal ids; a token sees only its own run, and positions restart at each run.
+        With a cache (`extend_stacked`, or `extend_per_layer` with `layers`): `window` (static)
+        has attention read only the first `window` cache slots (0: none, as in a prefill; None:
+        all). The caller guarantees every row that matters has at most `window` filled slots;
+        the writes still go to the whole cache.
 
-        `layers` (from `layer_list`, with a per-layer cache or none): run the layers one by one
-        on these weights instead of scanning the stacked ones. Under the scan XLA:CPU copies
-        each layer's weights and cache window before using them, at every decode step; arrays
-        of their own are read in place. Each layer writes this call's keys into its cache and
-        then reads the window: a read before the write made XLA:CPU copy the whole cache.
+        `layers` (from `layer_list`): run the layers one by one on these weights instead of
+        scanning the stacked ones (with a per-layer cache, or none). Under the scan XLA:CPU
+        copies each layer's weights and cache window before using them, at every decode step;
+        arrays of their own are read in place.
         """
-        c = self.config
-        if cache is not None and cache.per_layer != (layers is not None):
+        if cache is None:
+            return self.forward(tokens, attention_mask=attention_mask, segment_ids=segment_ids, layers=layers), None
+        if cache.per_layer != (layers is not None):
             raise ValueError("a per-layer KV cache goes with per-layer weights (layers=model.layer_list())"
                              if cache.per_layer else
                              "per-layer weights need a per-layer KV cache (init_cache(per_layer=True))")
+        if layers is None:
+            return self.extend_stacked(tokens, cache, num_new=num_new, window=window)
+        return self.extend_per_layer(tokens, cache, layers, num_new=num_new, window=window)
+
+    def forward(self, tokens: jax.Array, *, attention_mask: jax.Array | None = None,
+                segment_ids: jax.Array | None = None,
+                layers: list[dict[str, jax.Array]] | None = None) -> jax.Array:
+        """The training forward pass (no cache): final-normed hidden states [B, T, E]."""
         b, t = tokens.shape
         idx = jnp.arange(t, dtype=jnp.int32)
         causal = idx[None, :, None] >= idx[None, None, :]
-        if cache is None and segment_ids is not None:
+        if segment_ids is not None:
             start = jnp.concatenate([jnp.ones((b, 1), bool), segment_ids[:, 1:] != segment_ids[:, :-1]], axis=1)
             positions = idx[None, :] - jax.lax.cummax(jnp.where(start, idx[None, :], 0), axis=1)
             mask = causal & (segment_ids[:, :, None] == segment_ids[:, None, :])
-            cache_mask = None
-        elif cache is None:
-            if attention_mask is None:
-                positions = jnp.broadcast_to(idx, (b, t))
-                mask = jnp.broadcast_to(causal, (b, t, t))
-            else:
-                key_ok = attention_mask.astype(bool)
-                positions = jnp.maximum(jnp.cumsum(key_ok, axis=-1, dtype=jnp.int32) - 1, 0)
-                mask = causal & key_ok[:, None, :]
-            cache_mask = None
-        else:
-            positions = cache.lengths[:, None] + idx[None, :]
+        elif attention_mask is None:
+            positions = jnp.broadcast_to(idx, (b, t))
             mask = jnp.broadcast_to(causal, (b, t, t))
-            # Slot s holds position s; slots at or past a row's length are stale.
-            window = cache.max_length if window is None else window
-            if layers is None:  # the cache before this call's keys
-                window = min(window, cache.max_length)
-                cache_mask = jnp.arange(window, dtype=jnp.int32)[None, :] < cache.lengths[:, None]
-            else:  # this call's keys written first: token j sees slots up to its own position
-                window = min(window + t, cache.max_length)
-                cache_mask = jnp.arange(window, dtype=jnp.int32)[None, None, :] <= positions[:, :, None]
+        else:
+            key_ok = attention_mask.astype(bool)
+            positions = jnp.maximum(jnp.cumsum(key_ok, axis=-1, dtype=jnp.int32) - 1, 0)
+            mask = causal & key_ok[:, None, :]
+        x, cos, sin = self._embed(tokens, positions)
 
-        x = self.embed[...].astype(self.dtype)[tokens]
-        x = constrain(x, ("batch", "length", "act_embed"))
-        cos, sin = rope_tables(positions, c.head_dim, c.rope_theta)
+        def layer(x, p):
+            return self._block(x, p, cos, sin, lambda q, k, v: (attention(q, k, v, mask), None))
 
-        def dense(x2, p, name):
-            # Projections as 2-D matmuls over (batch*length): XLA's dot (and its
-            # transpose in the backward pass) is far faster than with two batch-like dims.
-            if name + "_t" in p:  # [out, in] (layer_list(transposed=True))
-                return jax.lax.dot_general(x2, p[name + "_t"], (((1,), (1,)), ((), ())))
-            return jnp.dot(x2, kernel_matrix(name, p[name], c.hidden_size))
+        layer = self._remat(layer)
+        if layers is not None:
+            for p in layers:
+                x, _ = layer(x, p)
+        else:
+            x, _ = jax.lax.scan(layer, x, self._stacked())
+        return rms_norm(x, self.final_norm[...], self.config.rms_norm_eps)
+
+    def extend_stacked(self, tokens: jax.Array, cache: KVCache, *, num_new: jax.Array | None = None,
+                       window: int | None = None) -> tuple[jax.Array, KVCache]:
+        """Prefill, insert or decode into a stacked cache under the layer scan (TPU, GPU): each
+        layer reads the cache before this call, then all layers' keys are written at once."""
+        b, t = tokens.shape
+        idx = jnp.arange(t, dtype=jnp.int32)
+        causal = idx[None, :, None] >= idx[None, None, :]
+        positions = cache.lengths[:, None] + idx[None, :]  # slot s holds position s
+        mask = jnp.broadcast_to(causal, (b, t, t))
+        window = min(cache.max_length if window is None else window, cache.max_length)
+        cache_mask = jnp.arange(window, dtype=jnp.int32)[None, :] < cache.lengths[:, None]  # past a row's length: stale
+        x, cos, sin = self._embed(tokens, positions)
 
         def layer(x, xs):
             p, kc, vc = xs
-            p = jax.tree.map(lambda a: a.astype(self.dtype), p)
-            e = x.shape[-1]
-            h = rms_norm(x, p["input_norm"], c.rms_norm_eps).reshape(b * t, e)
-            q = dense(h, p, "q_kernel").reshape(b, t, c.num_heads, c.head_dim) + p["q_bias"]
-            k = dense(h, p, "k_kernel").reshape(b, t, c.num_kv_heads, c.head_dim) + p["k_bias"]
-            v = dense(h, p, "v_kernel").reshape(b, t, c.num_kv_heads, c.head_dim) + p["v_bias"]
-            q = constrain(apply_rope(q, cos, sin), ("batch", "length", "act_heads", "head_dim"))
-            k = constrain(apply_rope(k, cos, sin), ("batch", "length", "act_kv_heads", "head_dim"))
-            v = constrain(v, ("batch", "length", "act_kv_heads", "head_dim"))
-            if layers is not None and cache is not None:
-                # Per-layer cache: write this call's keys, then read the window (no read of
-                # the cache before a write to it, which made XLA:CPU copy the whole cache).
-                kc = kc.at[rows, :, :, positions].set(k.astype(kc.dtype), mode="drop")  # keys [B, K, D, S]
-                vc = vc.at[rows, :, positions].set(v.astype(vc.dtype), mode="drop")
-                read = (kc[..., :window].astype(self.dtype), vc[:, :, :window].astype(self.dtype), cache_mask)
-                k, v = kc, vc  # returned: the updated cache
-                out = attention(q, None, None, None, read)
-            else:
-                read = None if kc is None else (kc.astype(self.dtype), vc.astype(self.dtype), cache_mask)
-                out = attention(q, k, v, mask, read)
-            out = out.reshape(b * t, c.num_heads * c.head_dim)
-            x = x + dense(out, p, "o_kernel").reshape(b, t, e)
-            h = rms_norm(x, p["post_norm"], c.rms_norm_eps).reshape(b * t, e)
-            act = jax.nn.silu(dense(h, p, "gate_kernel")) * dense(h, p, "up_kernel")
-            act = constrain(act.reshape(b, t, -1), ("batch", "length", "act_mlp"))
-            x = x + dense(act.reshape(b * t, -1), p, "down_kernel").reshape(b, t, e)
-            x = constrain(x, ("batch", "length", "act_embed"))
-            return x, (None, None) if cache is None else (k, v)
+            read = None if kc is None else (kc.astype(self.dtype), vc.astype(self.dtype), cache_mask)
+            return self._block(x, p, cos, sin, lambda q, k, v: (attention(q, k, v, mask, read), (k, v)))
 
-        if self.remat != "none":
-            layer = jax.checkpoint(layer, policy=REMAT_POLICIES[self.remat], prevent_cse=False)
+        rows = jnp.arange(b)[:, None]
         # Only the window is read: decode cost grows with the text, not with the cache
         # preallocated for the whole response budget.
+        kv_in = (cache.k[:, :, :, :window], cache.v[:, :, :, :window]) if window else (None, None)
+        x, (k_new, v_new) = jax.lax.scan(self._remat(layer), x, (self._stacked(), *kv_in))
+        # One write for all layers. Advanced indices split by a slice come first: values are [B, T, L, K, D].
+        put = lambda x: jnp.moveaxis(x, 0, 2).astype(cache.k.dtype)
+        k_all = cache.k.at[:, rows, :, positions].set(put(k_new), mode="drop")
+        v_all = cache.v.at[:, rows, :, positions].set(put(v_new), mode="drop")
+        return self._finish(x, cache, k_all, v_all, t, num_new)
+
+    def extend_per_layer(self, tokens: jax.Array, cache: KVCache, layers: list[dict[str, jax.Array]], *,
+                         num_new: jax.Array | None = None, window: int | None = None) -> tuple[jax.Array, KVCache]:
+        """Prefill, insert or decode into a per-layer cache, layer by layer (the CPU layout: keys
+        stored [B, K, D, S]). Each layer writes this call's keys first and then reads its window
+        (`window + T` slots): a read before the write made XLA:CPU copy the whole cache."""
+        b, t = tokens.shape
+        idx = jnp.arange(t, dtype=jnp.int32)
+        positions = cache.lengths[:, None] + idx[None, :]
+        window = min((cache.max_length if window is None else window) + t, cache.max_length)
+        # Token j sees the slots up to its own position (this call's keys are already written).
+        cache_mask = jnp.arange(window, dtype=jnp.int32)[None, None, :] <= positions[:, :, None]
+        x, cos, sin = self._embed(tokens, positions)
         rows = jnp.arange(b)[:, None]
-        if layers is not None:
-            k_all, v_all = [], []
-            for i, p in enumerate(layers):
-                x, (k, v) = layer(x, (p, *((None, None) if cache is None else (cache.k[i], cache.v[i]))))
-                k_all.append(k)
-                v_all.append(v)
-            k_all, v_all = tuple(k_all), tuple(v_all)
-        else:
-            read = cache is not None and window
-            kv_in = (cache.k[:, :, :, :window], cache.v[:, :, :, :window]) if read else (None, None)
-            stacked = {name: p[...] for name, p in self.layers.items()}
-            x, (k_new, v_new) = jax.lax.scan(layer, x, (stacked, *kv_in))
-            if cache is not None:
-                # One write for all layers. Advanced indices split by a slice come first:
-                # values are [B, T, L, K, D].
-                put = lambda x: jnp.moveaxis(x, 0, 2).astype(cache.k.dtype)
-                k_all = cache.k.at[:, rows, :, positions].set(put(k_new), mode="drop")
-                v_all = cache.v.at[:, rows, :, positions].set(put(v_new), mode="drop")
-        x = rms_norm(x, self.final_norm[...], c.rms_norm_eps)
-        if cache is None:
-            return x, None
+
+        def layer(x, xs):
+            p, kc, vc = xs
+
+            def attend(q, k, v):
+                kc_new = kc.at[rows, :, :, positions].set(k.astype(kc.dtype), mode="drop")
+                vc_new = vc.at[rows, :, positions].set(v.astype(vc.dtype), mode="drop")
+                read = (kc_new[..., :window].astype(self.dtype), vc_new[:, :, :window].astype(self.dtype), cache_mask)
+                return attention(q, None, None, None, read), (kc_new, vc_new)
+            return self._block(x, p, cos, sin, attend)
+
+        layer = self._remat(layer)
+        k_all, v_all = [], []
+        for i, p in enumerate(layers):
+            x, (k, v) = layer(x, (p, cache.k[i], cache.v[i]))
+            k_all.append(k)
+            v_all.append(v)
+        return self._finish(x, cache, tuple(k_all), tuple(v_all), t, num_new)
+
+    # -- pieces of every forward path ---------------------------------------------------------
+
+    def _embed(self, tokens: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        x = self.embed[...].astype(self.dtype)[tokens]
+        x = constrain(x, ("batch", "length", "act_embed"))
+        return (x, *rope_tables(positions, self.config.head_dim, self.config.rope_theta))
+
+    def _stacked(self) -> dict[str, jax.Array]:
+        return {name: p[...] for name, p in self.layers.items()}
+
+    def _remat(self, layer):
+        if self.remat == "none":
+            return layer
+        return jax.checkpoint(layer, policy=REMAT_POLICIES[self.remat], prevent_cse=False)
+
+    def _block(self, x: jax.Array, p: dict[str, jax.Array], cos: jax.Array, sin: jax.Array, attend):
+        """One decoder layer on x [B, T, E]; `attend(q, k, v)` -> (attention output, what the
+        layer returns beside x: its cache update)."""
+        c = self.config
+        p = jax.tree.map(lambda a: a.astype(self.dtype), p)
+        b, t, e = x.shape
+        h = rms_norm(x, p["input_norm"], c.rms_norm_eps).reshape(b * t, e)
+        q = _dense(h, p, "q_kernel", e).reshape(b, t, c.num_heads, c.head_dim) + p["q_bias"]
+        k = _dense(h, p, "k_kernel", e).reshape(b, t, c.num_kv_heads, c.head_dim) + p["k_bias"]
+        v = _dense(h, p, "v_kernel", e).reshape(b, t, c.num_kv_heads, c.head_dim) + p["v_bias"]
+        q = constrain(apply_rope(q, cos, sin), ("batch", "length", "act_heads", "head_dim"))
+        k = constrain(apply_rope(k, cos, sin), ("batch", "length", "act_kv_heads", "head_dim"))
+        v = constrain(v, ("batch", "length", "act_kv_heads", "head_dim"))
+        out, carry = attend(q, k, v)
+        out = out.reshape(b * t, c.num_heads * c.head_dim)
+        x = x + _dense(out, p, "o_kernel", e).reshape(b, t, e)
+        h = rms_norm(x, p["post_norm"], c.rms_norm_eps).reshape(b * t, e)
+        act = jax.nn.silu(_dense(h, p, "gate_kernel", e)) * _dense(h, p, "up_kernel", e)
+        act = constrain(act.reshape(b, t, -1), ("batch", "length", "act_mlp"))
+        x = x + _dense(act.reshape(b * t, -1), p, "down_kernel", e).reshape(b, t, e)
+        return constrain(x, ("batch", "length", "act_embed")), carry
+
+    def _finish(self, x, cache: KVCache, k, v, t: int, num_new: jax.Array | None) -> tuple[jax.Array, KVCache]:
+        x = rms_norm(x, self.final_norm[...], self.config.rms_norm_eps)
         # Writes past the cache's end were dropped (the caller sizes the cache), never clamped.
         step = t if num_new is None else num_new.astype(jnp.int32)
-        return x, KVCache(k=k_all, v=v_all, lengths=cache.lengths + step)
+        return x, KVCache(k=k, v=v, lengths=cache.lengths + step)
