@@ -145,7 +145,7 @@ def bench_shape(name, spec, repeats, dtype, save_dir=None):
     import transformers
 
     from sem_jax.model import from_pretrained
-    from sem_jax.retrieval import format_results
+    from sem_jax.protocol.sem import format_results
     from sem_jax.sampling import RolloutConfig, Sampler, SamplingConfig, rollout
     from sem_jax.sampling.stop import StopAutomaton
 

@@ -25,20 +25,18 @@ from absl import logging as absl_logging
 from flax import nnx
 from ml_collections import ConfigDict, config_flags
 
-from sem_jax.hosts import batch_shards
+from sem_jax.assemble import build_mesh, build_trainer, settings
 from sem_jax.model import Qwen2, Qwen2Config
 from sem_jax.model.hf_io import read_config
 from sem_jax.model.presets import preset
-from sem_jax.rl.loss import GRPOConfig
-from sem_jax.rl.trainer import LOGPROB_KEYS, GRPOTrainer, OptimConfig
-from sem_jax.sampling.sampler import SamplingConfig, bucket_length, decode_loop, prefill_step
-from sem_jax.sharding import batch_sharding, make_mesh, match_param_shardings, named_sharding
+from sem_jax.rl.trainer import LOGPROB_KEYS
+from sem_jax.sampling.sampler import bucket_length, decode_loop, prefill_step
+from sem_jax.sharding import batch_sharding, match_param_shardings, named_sharding
 
 # HBM per device as the TPU compiler sees a compile-only topology device: one TensorCore.
 # (v4 and v5p chips hold two TensorCores; in megacore mode a chip is one device with twice
 # this, so the check is conservative there.)
 HBM_GIB = {"TPU v4": 16.0, "TPU v5 lite": 16.0, "TPU v5": 47.5, "TPU v6 lite": 32.0}
-STOP_STATES = len("</search>") + 1
 
 
 @dataclasses.dataclass
@@ -118,7 +116,8 @@ def check(config: ConfigDict, topology: str | None = None, hbm_gib: float | None
     """Compile every step function for the target; returns the rows and HBM bytes per device."""
     devices = target_devices(topology)
     hbm = hbm_per_device(devices, hbm_gib)
-    mesh = make_mesh(config.mesh.data, config.mesh.fsdp, config.mesh.tensor, devices=devices)
+    mesh = build_mesh(config, devices)
+    s = settings(config)
     mcfg = model_config(config)
     dtype, compute = jnp.dtype(config.model.dtype), jnp.dtype(config.model.compute_dtype)
     model = nnx.eval_shape(lambda: Qwen2(mcfg, rngs=nnx.Rngs(0), param_dtype=dtype, dtype=compute,
@@ -130,11 +129,7 @@ def check(config: ConfigDict, topology: str | None = None, hbm_gib: float | None
         state, is_leaf=lambda x: isinstance(x, nnx.Variable))
     r, g = config.rollout, config.rollout.group_size
     rows_n = config.data.prompts_per_step * g
-    micro = min(config.rl.micro_batch, rows_n)
-    grpo = GRPOConfig(beta=config.rl.beta, clip_eps=config.rl.clip_eps, loss_agg=config.rl.loss_agg)
-    trainer = GRPOTrainer(model, grpo, OptimConfig(**config.optim.to_dict()), micro_batch=micro,
-                          logprob_chunk=config.rl.logprob_chunk, per_layer=False,  # the scan, as on the TPU
-                          group_size=g, shards=batch_shards(mesh))
+    trainer = build_trainer(config, model, s, mesh, per_layer=False)  # the layer scan, as on the TPU
     out: list[Row] = []
     with jax.set_mesh(mesh):
         opt_shapes = jax.eval_shape(trainer.tx.init, params)
@@ -148,12 +143,11 @@ def check(config: ConfigDict, topology: str | None = None, hbm_gib: float | None
         batch = {"inputs": arr((rows_n, t), jnp.int32), "start": arr((rows_n,), jnp.int32),
                  "targets": arr((rows_n, w), jnp.int32), "mask": arr((rows_n, w), jnp.float32),
                  "advantages": arr((rows_n,), jnp.float32), "sampler_logprobs": arr((rows_n, w), jnp.float32)}
-        ref = arr((rows_n, w), jnp.float32) if grpo.beta > 0 else None
-        out.append(_compile("grpo update", trainer._update.lower(params, opt, batch, ref))[0])
+        ref = arr((rows_n, w), jnp.float32) if s.grpo.beta > 0 else None
+        out.append(_compile("grpo update", trainer.update_fn.lower(params, opt, batch, ref))[0])
         if ref is not None:
             lp_in = {k: batch[k] for k in LOGPROB_KEYS}
-            out.append(_compile("reference logprobs", trainer._logprobs.lower(params, lp_in))[0])
-        scfg = SamplingConfig(max_new_tokens=r.max_new_tokens, temperature=r.temperature)
+            out.append(_compile("reference logprobs", trainer.logprobs_fn.lower(params, lp_in))[0])
         p = config.data.prompts_per_step
         tp = bucket_length(config.data.max_prompt_tokens)
         key = jax.eval_shape(lambda: jax.random.key(0))
@@ -166,10 +160,12 @@ def check(config: ConfigDict, topology: str | None = None, hbm_gib: float | None
             return out, hbm
         state = _abstract(jax.eval_shape(lambda *a: prefill_step(graphdef, *a, **static), params, None, prompts,
                                          lengths, key), prefill.output_shardings)
-        table = jax.ShapeDtypeStruct((mcfg.vocab_size, STOP_STATES), jnp.int32)
+        # The stop automaton's table: one state per byte of the stop strings, plus the start.
+        states = sum(len(x.encode()) for x in s.protocol.stop_strings) + 1
+        table = jax.ShapeDtypeStruct((mcfg.vocab_size, states), jnp.int32)
         out.append(_compile("sampler decode loop", decode_loop.lower(
             graphdef, params, None, state, table, jax.ShapeDtypeStruct((2,), jnp.int32),
-            jax.ShapeDtypeStruct((), jnp.int32), cfg=scfg, window=tp + r.max_new_tokens))[0])
+            jax.ShapeDtypeStruct((), jnp.int32), cfg=s.sampling, window=tp + r.max_new_tokens))[0])
     return out, hbm
 
 

@@ -1,19 +1,97 @@
-"""Building the policy, tokenizer and retriever from a config (shared by train, evaluate, export)."""
+"""The one place a config becomes runtime objects; train, evaluate and aot all build here.
+
+`settings(config)` turns the config's fields into the runtime dataclasses (sampling, rollout,
+GRPO, optimizer, reward); nothing else reads those fields, so there is no second set of
+defaults. The `build_*` functions make the objects that hold arrays or files (mesh, policy,
+retriever, samplers, trainer), and `build_run` puts a training run's together.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 from ml_collections import ConfigDict
 
+from sem_jax.data.example import Example
+from sem_jax.data.mix import process_share
+from sem_jax.data.questions import load_questions
+from sem_jax.hosts import CallLog, batch_shards, local_batch_multiple
 from sem_jax.model import Qwen2, Qwen2Config, from_pretrained
 from sem_jax.model.tokenizer import load_tokenizer, train_bpe_tokenizer
+from sem_jax.protocol import Protocol, get_protocol
+from sem_jax.rl.loss import GRPOConfig
+from sem_jax.rl.trainer import GRPOTrainer, OptimConfig
+from sem_jax.sampling import RolloutConfig, Sampler, SamplingConfig, build_stop_automaton
+from sem_jax.sem.reward import RewardParams, get_reward
+from sem_jax.sharding import make_mesh
+
+
+# -- the config's fields as runtime dataclasses ---------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    protocol: Protocol
+    sampling: SamplingConfig        # training rollouts (eos ids added once the tokenizer is known)
+    rollout: RolloutConfig
+    grpo: GRPOConfig
+    optim: OptimConfig
+    reward: Callable                # (parsed, example, params) -> (reward, case)
+    reward_params: RewardParams
+
+    @property
+    def greedy(self) -> SamplingConfig:
+        """Evaluation: the same budget, greedy."""
+        return SamplingConfig(max_new_tokens=self.sampling.max_new_tokens, greedy=True,
+                              eos_ids=self.sampling.eos_ids)
+
+    def with_eos(self, tokenizer) -> "Settings":
+        return dataclasses.replace(self, sampling=dataclasses.replace(self.sampling, eos_ids=stop_ids(tokenizer)))
+
+
+def settings(config: ConfigDict) -> Settings:
+    """Every runtime dataclass of `config`, checked (unknown reward names fail here)."""
+    r = config.rollout
+    return Settings(
+        protocol=get_protocol("sem"),
+        sampling=SamplingConfig(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p,
+                                top_k=r.top_k),
+        rollout=RolloutConfig(group_size=r.group_size, max_searches=r.max_searches, top_k=config.retrieval.top_k,
+                              max_tokens_per_passage=config.retrieval.max_tokens_per_passage),
+        grpo=GRPOConfig(beta=config.rl.beta, clip_eps=config.rl.clip_eps, clip_eps_high=config.rl.clip_eps_high,
+                        loss_agg=config.rl.loss_agg, dr_grpo_length=r.max_new_tokens),
+        optim=OptimConfig(total_steps=config.train.total_steps, **config.optim.to_dict()),
+        reward=get_reward(config.reward),
+        reward_params=RewardParams(**config.reward_params.to_dict()),
+    )
+
+
+def stop_ids(tokenizer) -> tuple[int, ...]:
+    """The ids that end a response, for training and evaluation alike: the tokenizer's eos
+    (`<|im_end|>` for Qwen2.5 instruct) and `<|endoftext|>` where the vocabulary has it."""
+    ids = (tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<|endoftext|>"))
+    return tuple(sorted({i for i in ids if isinstance(i, int) and i >= 0}))
+
+
+def micro_batch(config: ConfigDict, processes: int = 1) -> int:
+    """Rows per gradient micro-batch: `rl.micro_batch`, at most one step's rows."""
+    micro = min(config.rl.micro_batch, config.data.prompts_per_step * config.rollout.group_size)
+    if micro % processes:
+        raise ValueError(f"rl.micro_batch={micro} must divide by the {processes} processes")
+    return micro
+
+
+# -- objects -----------------------------------------------------------------------------
+
+def build_mesh(config: ConfigDict, devices: Sequence | None = None) -> Mesh:
+    return make_mesh(config.mesh.data, config.mesh.fsdp, config.mesh.tensor, devices=devices)
 
 
 def init_model_config(config: ConfigDict, tokenizer) -> Qwen2Config:
@@ -52,8 +130,80 @@ def build_policy(config: ConfigDict, texts: Callable[[], list[str]] | None, run_
 
 
 def build_retriever(config: ConfigDict):
-    from sem_jax.retrieval import Retriever
+    from sem_jax.retrieval import Retriever  # imports bm25s: only after the distributed runtime starts
     r = config.retrieval
     if r.index_dir:
         return Retriever.load(r.index_dir)
     return Retriever.from_jsonl(r.corpus, show_progress=False)
+
+
+def build_sampler(model: Qwen2, tokenizer, sampling: SamplingConfig, config: ConfigDict, protocol: Protocol, *,
+                  mesh: Mesh | None = None, calls: CallLog | None = None) -> Sampler:
+    stop = build_stop_automaton(tokenizer, protocol.stop_strings, vocab_size=model.config.vocab_size)
+    return Sampler(model, stop, sampling, mesh=mesh, calls=calls, window_steps=config.rollout.window_steps)
+
+
+def build_trainer(config: ConfigDict, model: Qwen2, s: Settings, mesh: Mesh, *, processes: int = 1,
+                  per_layer: bool | None = None) -> GRPOTrainer:
+    return GRPOTrainer(model, s.grpo, s.optim, micro_batch=micro_batch(config, processes),
+                       logprob_chunk=config.rl.logprob_chunk, per_layer=per_layer,
+                       group_size=config.rollout.group_size, shards=batch_shards(mesh))
+
+
+# -- a training run ------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class Run:
+    """Everything a training run holds besides its arrays (those live in `train.TrainState`)."""
+    config: ConfigDict
+    run_dir: str
+    settings: Settings
+    mesh: Mesh
+    model: Qwen2
+    tokenizer: Any
+    retriever: Any
+    sampler: Sampler                # training rollouts
+    greedy: Sampler                 # evaluation
+    trainer: GRPOTrainer
+    calls: CallLog
+    train_set: list[Example]
+    eval_set: list[Example]         # this process's share of the held-out questions
+    per_host: int                   # questions each process rolls out per step
+    row_multiple: int               # each process's rows pad to a multiple of this
+    pad_id: int
+
+
+def build_run(config: ConfigDict) -> Run:
+    """The mesh, data, retriever, policy, samplers and trainer of a training run."""
+    pid, nproc = jax.process_index(), jax.process_count()
+    # Each process rolls out its own share of every step's questions (hosts.py).
+    if config.data.prompts_per_step % nproc:
+        raise ValueError(f"data.prompts_per_step={config.data.prompts_per_step} must divide by the "
+                         f"{nproc} processes")
+    s = settings(config)
+    run_dir = os.path.abspath(config.run_dir)
+    mesh = build_mesh(config)
+    train_set = load_questions(config.data.train_file)
+    eval_all = load_questions(config.data.eval_file)[:config.data.eval_questions]
+    eval_set = process_share(eval_all, pid, nproc)  # each process evaluates its share
+    if not eval_set:
+        raise ValueError(f"{nproc} processes need at least as many eval questions (data.eval_questions)")
+    retriever = build_retriever(config)
+    # Text for a random-init model's BPE (only read when no model.path is given).
+    texts = lambda: [config.system_prompt] + [e.question + " " + " ".join(e.answers)
+                                              for e in train_set + eval_all] + \
+        [f"{d['title']} {d['text']}" for d in retriever.passages()]
+    model, tokenizer = build_policy(config, texts, run_dir, mesh)
+    s = s.with_eos(tokenizer)
+    calls = CallLog(config.train.debug_hosts)
+    trainer = build_trainer(config, model, s, mesh, processes=nproc)
+    # Each process pads its rows so that the global batch splits into micro-batches and over the
+    # batch shards, and its groups stay whole runs of the trainer's shared prompts.
+    row_multiple = int(np.lcm.reduce([trainer.micro_batch // nproc, local_batch_multiple(mesh), trainer.share]))
+    return Run(config=config, run_dir=run_dir, settings=s, mesh=mesh, model=model, tokenizer=tokenizer,
+               retriever=retriever,
+               sampler=build_sampler(model, tokenizer, s.sampling, config, s.protocol, mesh=mesh, calls=calls),
+               greedy=build_sampler(model, tokenizer, s.greedy, config, s.protocol, mesh=mesh, calls=calls),
+               trainer=trainer, calls=calls, train_set=train_set, eval_set=eval_set,
+               per_host=config.data.prompts_per_step // nproc, row_multiple=row_multiple,
+               pad_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0)

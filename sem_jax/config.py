@@ -1,7 +1,8 @@
 """The shared training config. `configs/*.py` start from `base_config()` and override.
 
 Every field can be overridden on the command line: `--config.rl.beta=0.0`. Fields that
-may be None are placeholders so that overrides still type-check.
+may be None are placeholders so that overrides still type-check. `sem_jax.assemble.settings`
+turns these fields into the runtime dataclasses; this file holds their only defaults.
 """
 
 from __future__ import annotations
@@ -12,16 +13,15 @@ import os
 from ml_collections import ConfigDict, config_dict
 
 from sem_jax.data.questions import DEMO_DIR
-from sem_jax.data.synthetic import WorldConfig
+from sem_jax.protocol import SEM
 from sem_jax.sem.reward import RewardParams
-from sem_jax.sem.template import SYSTEM_PROMPT
 
 
 def base_config() -> ConfigDict:
     c = ConfigDict()
     c.seed = 0
     c.run_dir = "runs/demo"  # checkpoints, TensorBoard events, metrics.jsonl, config.json
-    c.system_prompt = SYSTEM_PROMPT  # the answer-first instructions (sem_jax.sem.template)
+    c.system_prompt = SEM.system_prompt  # the answer-first instructions (sem_jax.protocol.sem)
 
     c.model = ConfigDict()
     c.model.path = config_dict.placeholder(str)        # local HF Qwen2 directory; None: random init (below)
@@ -31,7 +31,7 @@ def base_config() -> ConfigDict:
     c.model.dtype = "float32"                           # parameter dtype
     c.model.compute_dtype = "float32"                   # activation dtype
     c.model.remat = "none"                              # none | full | dots | dots_no_batch
-    # Random-init model when model.path is None (CPU demo): a small BPE is trained on the data.
+    # Random-init model when model.path is None: a small BPE is trained on the data.
     c.model.init = ConfigDict(dict(tokenizer_vocab=512, hidden_size=64, intermediate_size=128,
                                    num_layers=2, num_heads=4, num_kv_heads=2, rope_theta=1e6,
                                    tie_word_embeddings=True))
@@ -91,57 +91,39 @@ def base_config() -> ConfigDict:
     c.train.total_steps = 10
     c.train.log_every = 1
     c.train.eval_every = 0               # 0: evaluate only at the end
+    c.train.eval_at_start = False        # evaluate the initial policy (step 0) before training
     c.train.ckpt_every = 5
     c.train.keep_checkpoints = 3
     c.train.debug_hosts = False          # multi-process: check every step that all processes made the same device calls
     c.train.debug_kill_at_step = config_dict.placeholder(int)  # crash tests: SIGKILL after this step's checkpoint
 
     c.peak_flops = config_dict.placeholder(float)  # per-device peak FLOP/s, for MFU (None: not reported)
-
-    # The CPU demo's synthetic world (sem_jax.data.synthetic): when enabled, it is generated
-    # into run_dir/world and replaces data.train_file, data.eval_file and retrieval.corpus.
-    c.world = ConfigDict(dict(enabled=False, **{k: v for k, v in dataclasses.asdict(WorldConfig()).items()
-                                                if k != "seed"}))
-    # Supervised warm start of a random-init policy (model.path unset) on the world's
-    # templated traces, saved as an HF directory in run_dir/warm_start; 0 steps: none.
-    c.warm_start = ConfigDict(dict(steps=0, lr=3e-3, rows=12, search_prob_a=0.8, search_prob_b=0.2,
-                                   known_copies=8, lookup_copies=1,
-                                   copy_steps=0,     # first: steps copying random token strings (sft.copy_pairs)
-                                   lookup_steps=0))  # then: steps on lookups alone (every trace searches)
-    c.train.eval_at_start = False        # evaluate the initial policy (step 0) before training
     return c
 
 
-def demo_config() -> ConfigDict:
-    """The embedded CPU default (`make demo`): a synthetic world, a tiny Qwen2 warm-started on
-    it, then GRPO with the SEM reward. No downloads; 8 to 9 minutes on 2 cores."""
+def cpu_config() -> ConfigDict:
+    """The embedded CPU default of `sem_jax.train`: a tiny random-init Qwen2 on the bundled
+    questions, no downloads. Its sizes and RL settings are the demo's (`sem_jax.demo`), which
+    runs this training on its own world from its warm start."""
     c = base_config()
-    c.world.enabled = True
     # The tiny model reads every prompt token on every pass: a short instruction, same protocol.
     c.system_prompt = "Answer first. Search only if unsure."
-    # Untied output embeddings (as Qwen2.5-7B): tied, this model learnt the known facts late and
-    # unreliably; untied, it learns them and copying in a few hundred steps. RoPE theta 1e4:
-    # the contexts are short (the copy phase was measured with it).
+    # Untied output embeddings (as Qwen2.5-7B) learnt the demo's known facts and copying where tied
+    # ones were slow and unreliable; RoPE theta 1e4 suits its short contexts.
     c.model.init.update(tokenizer_vocab=1024, hidden_size=128, intermediate_size=384, num_layers=4,
                         num_heads=4, num_kv_heads=2, tie_word_embeddings=False, rope_theta=1e4)
-    c.warm_start.copy_steps = 400        # copying first (without it, 400 steps of lookups alone never
-    c.warm_start.steps = 600             # copied a name into a query), then the whole mix
-    c.warm_start.known_copies = 48       # known facts must be memorised: repeat them (at 16 the sums
-                                         # were right with p ~ 0.6 and GRPO flipped held-out ones)
     c.retrieval.top_k = 1               # one passage per search: short contexts for a tiny model
     c.retrieval.max_tokens_per_passage = 48
     c.rollout.group_size = 8
     c.rollout.max_new_tokens = 192
-    c.rollout.temperature = 0.7          # at T = 1 the tiny model's known answers are often sampled wrong
+    c.rollout.temperature = 0.7          # at T = 1 the tiny model samples its known answers wrong too often
     c.data.prompts_per_step = 8
     c.rl.beta = 0.0
     c.rl.micro_batch = 32
-    c.optim.lr = 1e-4                    # 1e-3 and 3e-4 broke the answer format within ~10 steps
-    c.optim.schedule = "cosine"          # decays to 0 at the last step: at a constant 1e-4 the weights
-                                         # kept moving after the search decision was learnt, and held-out
-                                         # sums dipped (EM known 96% at some evaluations, 86% before the
-                                         # world's split kept every held-out answer in RL)
-    c.train.total_steps = 100            # unknown questions' search ratio was still rising at 60
+    c.optim.lr = 1e-4                    # higher rates broke the answer format within ~10 steps
+    c.optim.schedule = "cosine"          # decays to 0 at the last step: held-out answers stay put once
+                                         # the search decision is learnt
+    c.train.total_steps = 100
     c.train.ckpt_every = 20
     c.train.eval_at_start = True
     return c

@@ -3,6 +3,7 @@ ratio and searches per question, by source."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections import defaultdict
 from collections.abc import Sequence
 
@@ -10,15 +11,13 @@ import jax
 import numpy as np
 
 from sem_jax.data.example import Example
-from sem_jax.retrieval.format import format_results
+from sem_jax.protocol import SEM, Protocol
 from sem_jax.sampling.rollout import RolloutConfig, Trajectory, rollout
-from sem_jax.sem.parse import parse_response
 from sem_jax.sem.scoring import score_answer
-from sem_jax.sem.template import DIRECT_SYSTEM_PROMPT, SYSTEM_PROMPT, encode_prompt, rag_prompt
 
 
-def score_trajectory(t: Trajectory, ex: Example) -> dict:
-    p = parse_response(t.text)
+def score_trajectory(t: Trajectory, ex: Example, protocol: Protocol = SEM) -> dict:
+    p = protocol.parse(t.text)
     em, f1 = score_answer(p.answer, ex)
     return {"id": ex.id, "source": ex.source, "question": ex.question, "gold": list(ex.answers),
             "answer": p.answer, "valid": p.valid, "em": em, "f1": f1, "searches": t.num_searches,
@@ -49,29 +48,28 @@ def aggregate(records: Sequence[dict]) -> dict[str, float]:
 MODES = ("policy", "direct", "naive_rag")
 
 
-def run_mode(mode: str, sampler, tokenizer, retriever, examples: Sequence[Example],
-             cfg: RolloutConfig, batch_size: int, system_prompt: str = SYSTEM_PROMPT) -> list[dict]:
-    """Per-question records for one mode (greedy, group size 1); `system_prompt` is the
-    policy mode's (the baselines have their own)."""
+def run_mode(mode: str, sampler, tokenizer, retriever, examples: Sequence[Example], cfg: RolloutConfig,
+             batch_size: int, system_prompt: str | None = None, protocol: Protocol = SEM) -> list[dict]:
+    """Per-question records for one mode (greedy, group size 1); `system_prompt` (default: the
+    protocol's) is the policy mode's (the baselines have their own)."""
     if mode not in MODES:
         raise ValueError(f"mode {mode!r}; choose from {MODES}")
-    searches = cfg.max_searches if mode == "policy" else 0
-    rcfg = RolloutConfig(group_size=1, max_searches=searches, top_k=cfg.top_k,
-                         max_tokens_per_passage=cfg.max_tokens_per_passage)
+    rcfg = dataclasses.replace(cfg, group_size=1, max_searches=cfg.max_searches if mode == "policy" else 0)
     records = []
     for i in range(0, len(examples), batch_size):
         chunk = list(examples[i:i + batch_size])
         if mode == "naive_rag":
             hits = retriever.search([e.question for e in chunk], cfg.top_k)  # once per question
-            prompts = [tokenizer.encode(rag_prompt(e, format_results(h, tokenizer, cfg.max_tokens_per_passage)),
+            prompts = [tokenizer.encode(protocol.rag_prompt(e, protocol.format_results(h, tokenizer,
+                                                                                       cfg.max_tokens_per_passage)),
                                         add_special_tokens=False) for e, h in zip(chunk, hits)]
         elif mode == "direct":
-            prompts = [encode_prompt(tokenizer, e, DIRECT_SYSTEM_PROMPT) for e in chunk]
+            prompts = [protocol.encode_prompt(tokenizer, e, protocol.direct_system_prompt) for e in chunk]
         else:
-            prompts = [encode_prompt(tokenizer, e, system_prompt) for e in chunk]
-        trajs, _ = rollout(sampler, tokenizer, retriever, prompts, jax.random.key(0), rcfg)
+            prompts = [protocol.encode_prompt(tokenizer, e, system_prompt) for e in chunk]
+        trajs, _ = rollout(sampler, tokenizer, retriever, prompts, jax.random.key(0), rcfg, protocol)
         for t, e in zip(trajs, chunk):
-            rec = score_trajectory(t, e)
+            rec = score_trajectory(t, e, protocol)
             if mode == "naive_rag":
                 rec["searches"] = 1  # it always retrieves (before answering)
             records.append(rec)

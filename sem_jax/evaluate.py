@@ -19,12 +19,12 @@ from collections.abc import Sequence
 from absl import app, flags
 from absl import logging as absl_logging
 from flax import nnx
-from ml_collections import config_flags
+from ml_collections import ConfigDict, config_flags
 
 from sem_jax.data.example import Example
 from sem_jax.eval_lib import aggregate, run_mode
-from sem_jax.sem.template import SYSTEM_PROMPT
-from sem_jax.sampling import RolloutConfig, Sampler, SamplingConfig, build_stop_automaton
+from sem_jax.protocol import SEM, Protocol
+from sem_jax.sampling import RolloutConfig
 
 def results_table(results: dict[str, dict[str, dict[str, float]]], datasets: Sequence[str]) -> str:
     """Markdown: one row per mode, EM / F1 / SR (%) per data set, as the paper's tables."""
@@ -43,12 +43,13 @@ def results_table(results: dict[str, dict[str, dict[str, float]]], datasets: Seq
 
 def evaluate_modes(sampler, tokenizer, retriever, data: dict[str, list[Example]], modes: Sequence[str],
                    cfg: RolloutConfig, batch_size: int, out_dir: str | None = None,
-                   system_prompt: str = SYSTEM_PROMPT) -> dict:
+                   system_prompt: str | None = None, protocol: Protocol = SEM) -> dict:
     results: dict[str, dict[str, dict[str, float]]] = {}
     for mode in modes:
         results[mode] = {}
         for name, examples in data.items():
-            records = run_mode(mode, sampler, tokenizer, retriever, examples, cfg, batch_size, system_prompt)
+            records = run_mode(mode, sampler, tokenizer, retriever, examples, cfg, batch_size, system_prompt,
+                               protocol)
             results[mode][name] = aggregate(records)
             if out_dir:
                 with open(os.path.join(out_dir, f"predictions_{mode}_{name}.jsonl"), "w") as fh:
@@ -69,7 +70,8 @@ def evaluate_modes(sampler, tokenizer, retriever, data: dict[str, list[Example]]
 def define_flags():
     """Flags exist only when run as a program (importing this module registers none)."""
     global _CONFIG
-    _CONFIG = config_flags.DEFINE_config_file("config", None, "Training config (model, retrieval, rollout).")
+    _CONFIG = config_flags.DEFINE_config_file("config", None, "Training config (model, retrieval, rollout); "
+                                              "default with --checkpoint: the run's own (run_dir/config.json)")
     flags.DEFINE_string("checkpoint", None, "run_dir/ckpt of a sem_jax run (parameters restored alone)")
     flags.DEFINE_integer("step", None, "checkpoint step (default: latest)")
     flags.DEFINE_string("hf", None, "a Hugging Face model directory instead of a checkpoint")
@@ -90,10 +92,10 @@ def checkpoint_run_dir(checkpoint: str) -> str:
 
 def load_policy(config, checkpoint: str | None, step: int | None, hf: str | None):
     """(model, tokenizer) from a HF directory or from a sem_jax checkpoint (params only)."""
+    from sem_jax.assemble import build_policy
     from sem_jax.checkpoint import Checkpointer
     from sem_jax.model import from_pretrained
     from sem_jax.model.tokenizer import load_tokenizer
-    from sem_jax.builders import build_policy
 
     if hf:
         return from_pretrained(hf), load_tokenizer(hf)
@@ -107,25 +109,29 @@ def load_policy(config, checkpoint: str | None, step: int | None, hf: str | None
     return model, tokenizer
 
 
+def run_config(checkpoint: str):
+    """The config a run was trained with (`sem_jax.train` writes run_dir/config.json)."""
+    path = os.path.join(checkpoint_run_dir(checkpoint), "config.json")
+    if not os.path.exists(path):
+        raise app.UsageError(f"{path}: not found; give --config (the model, retrieval and rollout settings)")
+    with open(path) as fh:
+        return ConfigDict(json.load(fh))
+
+
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     absl_logging.set_verbosity(absl_logging.WARNING)
+    from sem_jax.assemble import build_retriever, build_sampler, settings
     from sem_jax.data.questions import load_questions
     from sem_jax.data.sources import load_source
-    from sem_jax.builders import build_retriever
-    from sem_jax.data.synthetic import use_world_files, world_files
 
     config = _CONFIG.value
+    if config is None and FLAGS.checkpoint:
+        config = run_config(FLAGS.checkpoint)
     if config is None:
         raise app.UsageError("--config is required (the model, retrieval and rollout settings)")
-    if config.world.enabled:  # the demo: the run's own synthetic world (questions and corpus)
-        run_dir = checkpoint_run_dir(FLAGS.checkpoint) if FLAGS.checkpoint else config.run_dir
-        paths = world_files(os.path.join(run_dir, "world"))
-        if not all(os.path.exists(p) for p in paths.values()):
-            raise app.UsageError(f"{run_dir}/world: no synthetic world (corpus, train, eval .jsonl); the "
-                                 "config has world.enabled, so evaluate a run that `sem_jax.train` wrote")
-        use_world_files(config, paths)
+    s = settings(config)
     model, tokenizer = load_policy(config, FLAGS.checkpoint, FLAGS.step, FLAGS.hf)
     if FLAGS.data:
         data = {}
@@ -136,18 +142,14 @@ def main(argv):
             data[name] = load_source(name, path, split=split, limit=FLAGS.limit)
     else:
         data = {"eval": load_questions(config.data.eval_file)[:FLAGS.limit]}
-    eos = tuple(i for i in (tokenizer.eos_token_id,) if i is not None)
-    stop = build_stop_automaton(tokenizer, vocab_size=model.config.vocab_size)
-    sampler = Sampler(model, stop, SamplingConfig(max_new_tokens=config.rollout.max_new_tokens, greedy=True,
-                                                  eos_ids=eos), window_steps=config.rollout.window_steps)
-    cfg = RolloutConfig(group_size=1, max_searches=config.rollout.max_searches, top_k=config.retrieval.top_k,
-                        max_tokens_per_passage=config.retrieval.max_tokens_per_passage)
+    s = s.with_eos(tokenizer)
+    sampler = build_sampler(model, tokenizer, s.greedy, config, s.protocol)
     out = FLAGS.out or os.path.join(config.run_dir, "eval")
     os.makedirs(out, exist_ok=True)
     modes = [m.strip() for m in FLAGS.modes.split(",") if m.strip()]
-    results = evaluate_modes(sampler, tokenizer, build_retriever(config), data, modes, cfg,
+    results = evaluate_modes(sampler, tokenizer, build_retriever(config), data, modes, s.rollout,
                              batch_size=config.data.prompts_per_step * config.rollout.group_size, out_dir=out,
-                             system_prompt=config.system_prompt)
+                             system_prompt=config.system_prompt, protocol=s.protocol)
     print(results_table(results, list(data)))
     print(f"wrote {out}/results.md, results.json and per-question predictions")
 

@@ -21,7 +21,7 @@ from flax import nnx
 from ml_collections import ConfigDict
 
 from sem_jax.checkpoint import Checkpointer
-from sem_jax.builders import init_model_config
+from sem_jax.assemble import init_model_config
 from sem_jax.model import Qwen2, save_pretrained
 from sem_jax.model.hf_io import read_config
 from sem_jax.model.tokenizer import load_tokenizer

@@ -6,9 +6,6 @@ are in the context but get no loss, exactly as in GRPO.
 
 from __future__ import annotations
 
-import dataclasses
-import functools
-import os
 import time
 from collections.abc import Sequence
 
@@ -133,45 +130,3 @@ def supervised_finetune(model: Qwen2, pairs: Sequence[Pair], *, steps: int, lr: 
                   f"({time.perf_counter() - t0:.0f}s)", flush=True)
     nnx.update(model, params)
     return losses
-
-
-# -- the demo's warm start: a stage of `python -m sem_jax.train` -----------------------------
-
-def warm_start(config, model: Qwen2, tokenizer, retriever, world, run_dir: str) -> Qwen2:
-    """Teach `model` the answer-first format on the world's templated traces, once per run:
-    saved as an HF directory in run_dir/warm_start and loaded from there on resume."""
-    from sem_jax.data.synthetic import warm_start_pairs
-    from sem_jax.model import from_pretrained, save_pretrained
-
-    out = os.path.join(run_dir, "warm_start")
-    if os.path.exists(os.path.join(out, "config.json")):
-        print(f"warm start: loading {out}", flush=True)
-        return from_pretrained(out, dtype=model.param_dtype, compute_dtype=model.dtype, remat=model.remat)
-    w = config.warm_start
-    traces = functools.partial(warm_start_pairs, tokenizer=tokenizer, retriever=retriever,
-                               top_k=config.retrieval.top_k,
-                               max_tokens_per_passage=config.retrieval.max_tokens_per_passage,
-                               system_prompt=config.system_prompt, seed=config.seed)
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    if w.copy_steps:
-        special = set(tokenizer.all_special_ids)
-        words = [i for i in range(256, len(tokenizer)) if i not in special]  # past the byte alphabet
-        print(f"warm start: copying random token strings, {w.copy_steps} steps", flush=True)
-        supervised_finetune(model, copy_pairs(words, 20_000, config.seed), steps=w.copy_steps, lr=w.lr,
-                            rows=w.rows, seed=config.seed, pad_id=pad, log_every=max(1, w.copy_steps // 5))
-    if w.lookup_steps:
-        # Lookups alone before the mix: copying the question into the query and the answer out of the
-        # passage is the skill a tiny model is slowest to pick up amid everything else.
-        lookups = traces(dataclasses.replace(world, known=[]), search_prob=(1.0, 1.0), copies=(0, w.lookup_copies))
-        print(f"warm start: {len(lookups)} lookup traces, {w.lookup_steps} steps", flush=True)
-        supervised_finetune(model, lookups, steps=w.lookup_steps, lr=w.lr, rows=w.rows, seed=config.seed,
-                            pad_id=pad, log_every=max(1, w.lookup_steps // 5))
-    pairs = traces(world, search_prob=(w.search_prob_a, w.search_prob_b), copies=(w.known_copies, w.lookup_copies))
-    searching = sum(len(segs) > 1 for _, segs in pairs) / len(pairs)
-    print(f"warm start: {len(pairs)} traces ({100 * searching:.0f}% search), {w.steps} steps", flush=True)
-    supervised_finetune(model, pairs, steps=w.steps, lr=w.lr, rows=w.rows, seed=config.seed, pad_id=pad,
-                        log_every=max(1, w.steps // 10))
-    if jax.process_index() == 0:
-        save_pretrained(model, out)
-        tokenizer.save_pretrained(out)
-    return model

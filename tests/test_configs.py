@@ -29,6 +29,11 @@ def test_configs():
     demo.train.debug_kill_at_step = 2
 
 
-def test_default_config_is_the_demo():
+def test_default_configs_are_the_cpu_ones():
     from sem_jax.train import DEFAULT_CONFIG
-    assert DEFAULT_CONFIG == os.path.join(REPO, "configs", "demo_cpu.py")
+    assert DEFAULT_CONFIG == os.path.join(REPO, "configs", "cpu.py")
+    # The demo is the CPU training config plus its own two sections, which training never sees.
+    from sem_jax.demo.config import DEMO_SECTIONS, training_config
+    demo, cpu = _load("demo_cpu"), _load("cpu")
+    assert set(demo) - set(cpu) == set(DEMO_SECTIONS)
+    assert training_config(demo).to_dict() == cpu.to_dict()

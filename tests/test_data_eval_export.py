@@ -119,9 +119,10 @@ class CountingRetriever:
 
 def test_evaluate_table_and_naive_rag_calls(qwen25_tokenizer, tmp_path):
     from sem_jax.evaluate import evaluate_modes, results_table
-    from sem_jax.retrieval import Retriever, format_results
+    from sem_jax.protocol import SEM
+    from sem_jax.protocol.sem import format_results
+    from sem_jax.retrieval import Retriever
     from sem_jax.sampling import RolloutConfig, Sampler, SamplingConfig, build_stop_automaton
-    from sem_jax.sem.template import encode_prompt
 
     tok = qwen25_tokenizer
     enc = lambda s: tok.encode(s, add_special_tokens=False)
@@ -140,13 +141,13 @@ def test_evaluate_table_and_naive_rag_calls(qwen25_tokenizer, tmp_path):
     }
     rows = []
     for ex in QA:
-        ids = encode_prompt(tok, ex)
+        ids = SEM.encode_prompt(tok, ex)
         for part in responses[ex.id]:
             ids += part if isinstance(part, list) else enc(part)
         rows.append(ids + [151645])
     width = max(map(len, rows)) + 2
     script = np.array([r + [151645] * (width - len(r)) for r in rows])
-    sampler = Sampler(ScriptedPolicy(script, len(tok)), build_stop_automaton(tok),
+    sampler = Sampler(ScriptedPolicy(script, len(tok)), build_stop_automaton(tok, SEM.stop_strings),
                       SamplingConfig(max_new_tokens=200, greedy=True, eos_ids=(151645,)))
     res = evaluate_modes(sampler, tok, retriever, {"toy": QA}, ["policy"], cfg, batch_size=4, out_dir=str(tmp_path))
     m = res["policy"]["toy"]
@@ -179,7 +180,6 @@ def test_export_and_evaluate_cli_on_a_trained_checkpoint(tmp_path):
     run = tmp_path / "run"
     env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")
     proc = subprocess.run([sys.executable, "-m", "sem_jax.train", f"--config.run_dir={run}",
-                           "--config.world.enabled=False", "--config.warm_start.steps=0",
                            "--config.train.total_steps=1", "--config.data.eval_questions=2",
                            "--config.rollout.max_new_tokens=16"],
                           capture_output=True, text=True, timeout=600, cwd=REPO, env=env)
@@ -207,9 +207,9 @@ def test_export_and_evaluate_cli_on_a_trained_checkpoint(tmp_path):
 
     # The evaluate command on the same checkpoint: a table per mode, per-question outputs.
     ev = tmp_path / "eval"
-    proc = subprocess.run([sys.executable, "-m", "sem_jax.evaluate", "--config", "configs/demo_cpu.py",
+    proc = subprocess.run([sys.executable, "-m", "sem_jax.evaluate", "--config", "configs/cpu.py",
                            f"--config.run_dir={run}", "--config.rollout.max_new_tokens=16",
-                           "--config.world.enabled=False", f"--checkpoint={run}/ckpt", "--limit=3", f"--out={ev}"],
+                           f"--checkpoint={run}/ckpt", "--limit=3", f"--out={ev}"],
                           capture_output=True, text=True, timeout=600, cwd=REPO, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = json.loads((ev / "results.json").read_text())

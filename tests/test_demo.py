@@ -1,5 +1,5 @@
 """The CPU demo's parts: the synthetic world, the warm-start traces, packed SFT, the report,
-and `python -m sem_jax.train` on the demo config end to end (tiny step counts)."""
+and `python -m sem_jax.demo` end to end (tiny step counts)."""
 
 import json
 import os
@@ -11,12 +11,12 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from sem_jax.data.synthetic import PHRASINGS, WorldConfig, build_world, texts, warm_start_pairs
+from sem_jax.demo.world import PHRASINGS, WorldConfig, build_world, texts, warm_start_pairs
 from sem_jax.model import Qwen2, Qwen2Config
 from sem_jax.model.tokenizer import train_bpe_tokenizer
-from sem_jax.retrieval import Retriever, format_results
+from sem_jax.protocol.sem import format_results, parse_response
+from sem_jax.retrieval import Retriever
 from sem_jax.rl.loss import token_logprobs
-from sem_jax.sem.parse import parse_response
 from sem_jax.sft import copy_pairs, pack, packed_batches
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -153,7 +153,7 @@ def test_copy_pairs_train_only_the_repeat():
 
 
 def test_demo_report_table_and_png(tmp_path):
-    from sem_jax.demo_report import main, table
+    from sem_jax.demo.report import main, table
     ev = lambda step, sk, su, ek, eu: {"step": step, "split": "eval", "search_ratio/known": sk,
                                          "search_ratio/unknown": su, "em/known": ek, "em/unknown": eu}
     tr = lambda step: {"step": step, "split": "train", "reward/mean": 0.1 * step, "search_ratio/known": 0.5,
@@ -175,7 +175,7 @@ def test_demo_config_end_to_end_with_tiny_budgets(tmp_path):
     small_model = ["--config.model.init.hidden_size=32", "--config.model.init.intermediate_size=64",
                    "--config.model.init.num_layers=2"]
     cmd = lambda steps: [
-        sys.executable, "-m", "sem_jax.train", f"--config.run_dir={run}", "--config.warm_start.steps=30",
+        sys.executable, "-m", "sem_jax.demo", f"--config.run_dir={run}", "--config.warm_start.steps=30",
         "--config.warm_start.lookup_steps=5", "--config.warm_start.copy_steps=3",
         "--config.world.rl_people=16", "--config.world.eval_people=6", "--config.world.warm_people=40",
         f"--config.train.total_steps={steps}", "--config.train.ckpt_every=1", "--config.data.prompts_per_step=2",
@@ -194,13 +194,13 @@ def test_demo_config_end_to_end_with_tiny_budgets(tmp_path):
     proc = subprocess.run(cmd(3), capture_output=True, text=True, timeout=600, cwd=REPO, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "warm start: loading" in proc.stdout and "resumed from step 2" in proc.stdout
-    report = subprocess.run([sys.executable, "-m", "sem_jax.demo_report", str(run)], capture_output=True, text=True,
+    report = subprocess.run([sys.executable, "-m", "sem_jax.demo.report", str(run)], capture_output=True, text=True,
                             timeout=300, cwd=REPO, env=env)
     assert report.returncode == 0, report.stderr[-2000:]
     assert "| warm start |" in report.stdout and "| after SEM (step 3) |" in report.stdout
-    # `sem_jax.evaluate` on the demo run asks the run's own held-out questions (its world).
+    # `sem_jax.evaluate` on the demo run (the run's own config) asks the world's held-out questions.
     ev = tmp_path / "eval"
-    proc = subprocess.run([sys.executable, "-m", "sem_jax.evaluate", "--config", "configs/demo_cpu.py", *small_model,
+    proc = subprocess.run([sys.executable, "-m", "sem_jax.evaluate",
                            f"--checkpoint={run}/ckpt", "--modes=policy", "--limit=4", f"--out={ev}"],
                           capture_output=True, text=True, timeout=300, cwd=REPO, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

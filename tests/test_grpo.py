@@ -324,7 +324,7 @@ def test_update_compiles_once(sharded):
     for _ in range(3):
         params, opt, metrics = trainer.update(params, opt, batch)
     assert int(metrics["skipped"]) == 0
-    assert trainer._update._cache_size() == 1
+    assert trainer.update_fn._cache_size() == 1
 
 
 @pytest.mark.parametrize("schedule,warmup,expected", [

@@ -6,8 +6,8 @@ import sys
 
 import pytest
 
-from sem_jax.retrieval import Retriever, format_results, read_corpus
-from sem_jax.retrieval.bm25 import NO_QUERY
+from sem_jax.protocol.sem import format_results
+from sem_jax.retrieval import Retriever, read_corpus
 
 DOCS = [
     {"id": "d1", "title": "Paris", "text": "Paris is the capital and largest city of France."},
@@ -54,11 +54,11 @@ def test_ranking_save_load_and_edge_cases(corpus_file, tmp_path):
     loaded = Retriever.load(str(tmp_path / "idx"))
     assert loaded.settings == r.settings
     assert loaded.search(queries, k=3) == hits
-    # k above the corpus size is clipped; an empty query gets a "no query" passage;
-    # a query with no known term gets nothing.
+    # k above the corpus size is clipped; a blank query or one with no known term gets nothing
+    # (the protocol tells a blank query how to ask: test_rollout).
     big, empty, unknown = loaded.search(["France capital", "   ", "zzzqqq"], k=50)
     assert 1 <= len(big) <= 5 and big[0].id == "d1"
-    assert empty[0].text == NO_QUERY
+    assert empty == []
     assert unknown == []
     assert loaded.calls == 2
 
@@ -70,7 +70,7 @@ def test_format_results_budget(qwen25_tokenizer):
     assert text.startswith("\n<result>\n(1) Long: ") and text.endswith("\n(2) Short: tiny text\n</result>\n")
     first = text.split("\n")[2]
     assert len(qwen25_tokenizer.encode(first)) <= 20 + 8
-    assert format_results([], qwen25_tokenizer) == "\n<result>\nNo results found.\n</result>\n"
+    assert format_results([], qwen25_tokenizer, 20) == "\n<result>\nNo results found.\n</result>\n"
 
 
 def test_build_index_script(corpus_file, tmp_path):

@@ -5,10 +5,10 @@ import numpy as np
 import pytest
 from policies import ScriptedPolicy
 
-from sem_jax.retrieval import Retriever, format_results
-from sem_jax.sampling import (RolloutConfig, Sampler, SamplingConfig, build_stop_automaton,
-                              parse_query, rollout)
-from sem_jax.sampling.rollout import LIMIT_NOTE
+from sem_jax.protocol import SEM
+from sem_jax.protocol.sem import LIMIT_NOTE, NO_QUERY, format_results, parse_query, result_block
+from sem_jax.retrieval import Passage, Retriever
+from sem_jax.sampling import RolloutConfig, Sampler, SamplingConfig, build_stop_automaton, rollout
 from sem_jax.sampling.stop import _byte_decoder
 
 IM_END = 151645
@@ -16,7 +16,7 @@ IM_END = 151645
 
 @pytest.fixture(scope="module")
 def automaton(qwen25_tokenizer):
-    return build_stop_automaton(qwen25_tokenizer)
+    return build_stop_automaton(qwen25_tokenizer, SEM.stop_strings)
 
 
 def _ids(tok, pieces):
@@ -102,6 +102,12 @@ def test_parse_query():
     assert parse_query("plain") == ""
 
 
+def test_result_block_tells_a_blank_query_how_to_ask(qwen25_tokenizer):
+    hit = [Passage("d", "Paris", "Paris is the capital of France.", 1.0)]
+    assert result_block("capital", hit, qwen25_tokenizer, 32) == format_results(hit, qwen25_tokenizer, 32)
+    assert result_block("  ", hit, qwen25_tokenizer, 32) == f"\n<result>\n(1) {NO_QUERY}\n</result>\n"
+
+
 DOCS = [
     {"id": "d1", "title": "Paris", "text": "Paris is the capital and largest city of France."},
     {"id": "d2", "title": "Mount Everest", "text": "Everest is the highest mountain on Earth."},
@@ -143,7 +149,7 @@ def test_scripted_rollout_two_searches(qwen25_tokenizer, retriever):
     prompt = enc("<|im_start|>user\nQ?<|im_end|>\n<|im_start|>assistant\n")
     script, full = _script(tok, prompt, [t1, b1, t2, b2, t3, [IM_END]], 1)
     policy = ScriptedPolicy(script, len(tok))
-    stop = build_stop_automaton(tok)
+    stop = build_stop_automaton(tok, SEM.stop_strings)
     sampler = Sampler(policy, stop, SamplingConfig(max_new_tokens=len(full) + 16, greedy=True,
                                                    eos_ids=(IM_END,)))
     counting = CountingRetriever(retriever)
@@ -172,10 +178,10 @@ def test_search_limit_note_then_stop(qwen25_tokenizer, retriever):
     t1, t2, t3 = "<search>Nile</search>", "<search>Nile again</search>", "<search>third</search>"
     prompt = enc("Q")
     script, full = _script(tok, prompt, [t1, b1, t2, note, t3, "never reached"], 2)
-    sampler = Sampler(ScriptedPolicy(script, len(tok)), build_stop_automaton(tok),
+    sampler = Sampler(ScriptedPolicy(script, len(tok)), build_stop_automaton(tok, SEM.stop_strings),
                       SamplingConfig(max_new_tokens=200, greedy=True, eos_ids=(IM_END,)))
     trajs, _ = rollout(sampler, tok, retriever, [prompt], jax.random.key(0),
-                       RolloutConfig(group_size=2, max_searches=1, top_k=1))
+                       RolloutConfig(group_size=2, max_searches=1, top_k=1, max_tokens_per_passage=96))
     for t in trajs:
         assert t.end_reason == "search_limit" and t.num_searches == 1
         assert t.response_ids[t.loss_mask == 0].tolist() == b1 + note
@@ -189,8 +195,9 @@ def test_budget_counts_inserted_tokens(qwen25_tokenizer, retriever):
     prompt = enc("Q")
     budget = len(t1) + 5  # the result block does not fit
     script, _ = _script(tok, prompt, [t1, enc("x" * 50)], 1)
-    sampler = Sampler(ScriptedPolicy(script, len(tok)), build_stop_automaton(tok),
+    sampler = Sampler(ScriptedPolicy(script, len(tok)), build_stop_automaton(tok, SEM.stop_strings),
                       SamplingConfig(max_new_tokens=budget, greedy=True))
-    (t,), _ = rollout(sampler, tok, retriever, [prompt], jax.random.key(0), RolloutConfig(group_size=1))
+    (t,), _ = rollout(sampler, tok, retriever, [prompt], jax.random.key(0),
+                      RolloutConfig(group_size=1, max_searches=2, top_k=3, max_tokens_per_passage=96))
     assert t.end_reason == "length" and len(t.response_ids) == budget
     assert t.loss_mask.tolist() == [1] * len(t1) + [0] * 5

@@ -10,7 +10,7 @@ from sem_jax import hosts
 from sem_jax.sampling import Sampler, SamplingConfig, sample_tokens, stop_automaton_from_bytes
 
 # Token i is one lower-case letter: "</search>" can never appear.
-NO_STOP = stop_automaton_from_bytes([bytes([97 + i % 26]) for i in range(TINY.vocab_size)])
+NO_STOP = stop_automaton_from_bytes([bytes([97 + i % 26]) for i in range(TINY.vocab_size)], ("</search>",))
 
 
 @pytest.mark.parametrize("window_steps,per_layer", [(0, False), (1, True)])

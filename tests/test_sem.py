@@ -4,8 +4,8 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from sem_jax.data import Example
-from sem_jax.sem import (RewardParams, exact_match, normalize_answer, parse_response, research_reward,
-                         score_answer, sem_reward, token_f1)
+from sem_jax.protocol.sem import parse_response
+from sem_jax.sem import RewardParams, exact_match, normalize_answer, research_reward, score_answer, sem_reward, token_f1
 
 QA = Example("q1", "Capital of France?", ("Paris", "Paris, France"), "musique", True)
 MC = Example("m1", "2+2?", ("B",), "mmlu", False, options=("3", "4", "5", "22"), kind="mc")

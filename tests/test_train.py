@@ -15,12 +15,12 @@ from sem_jax.data.questions import DEMO_DIR, load_questions
 from sem_jax.checkpoint import Checkpointer
 from sem_jax.model import Qwen2, Qwen2Config, from_pretrained, save_pretrained
 from sem_jax.model.tokenizer import train_bpe_tokenizer
-from sem_jax.config import demo_config
-from sem_jax.sem.template import encode_prompt
+from sem_jax.config import cpu_config
+from sem_jax.protocol import SEM
 from sem_jax.sft import supervised_finetune
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-DEMO_PROMPT = demo_config().system_prompt
+DEMO_PROMPT = cpu_config().system_prompt
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +34,7 @@ def warm_model(tmp_path_factory):
                       eos_token_id=tok.eos_token_id)
     model = Qwen2(cfg, rngs=nnx.Rngs(0))
     enc = lambda s: tok.encode(s, add_special_tokens=False)
-    pairs = [(encode_prompt(tok, e, DEMO_PROMPT), [(enc(f"<think>Easy.</think><answer>{e.answers[0]}</answer>")
+    pairs = [(SEM.encode_prompt(tok, e, DEMO_PROMPT), [(enc(f"<think>Easy.</think><answer>{e.answers[0]}</answer>")
                                        + [tok.eos_token_id], True)]) for e in train]
     losses = supervised_finetune(model, pairs, steps=60, lr=1e-2, rows=4)
     assert losses[-1] < losses[0] / 3
@@ -47,10 +47,10 @@ def warm_model(tmp_path_factory):
 def _cmd(run_dir, model_dir, *extra):
     # Micro-batches of 8 rows, groups of 4: on one device each group's prompt runs once, on the
     # two-process test's 4 batch shards each pair of a group's rows shares it (GRPOTrainer.share).
-    return [sys.executable, "-m", "sem_jax.train", "--config", os.path.join(REPO, "configs", "demo_cpu.py"),
+    return [sys.executable, "-m", "sem_jax.train", "--config", os.path.join(REPO, "configs", "cpu.py"),
             f"--config.run_dir={run_dir}", f"--config.model.path={model_dir}", "--config.train.total_steps=3",
             "--config.train.ckpt_every=1", "--config.rl.beta=0.04", "--config.optim.lr=0.003",
-            "--config.data.eval_questions=4", "--config.rollout.max_new_tokens=48", "--config.world.enabled=False",
+            "--config.data.eval_questions=4", "--config.rollout.max_new_tokens=48",
             "--config.data.prompts_per_step=4", "--config.rollout.group_size=4", "--config.rl.micro_batch=8", *extra]
 
 
@@ -146,8 +146,7 @@ def test_config_overrides_and_unknown_field(tmp_path):
     run = tmp_path / "r"
     proc = subprocess.run([sys.executable, "-m", "sem_jax.train", f"--config.run_dir={run}",
                            "--config.train.total_steps=0", "--config.rollout.group_size=3",
-                           "--config.rl.clip_eps_high=0.28", "--config.warm_start.steps=0",
-                           "--config.world.enabled=False"],
+                           "--config.rl.clip_eps_high=0.28"],
                           capture_output=True, text=True, timeout=300, cwd=REPO)
     assert proc.returncode == 0, proc.stderr[-2000:]
     cfg = json.loads((run / "config.json").read_text())

@@ -1,6 +1,6 @@
 """The demo's before/after table and learning curves, from the runs' metrics.jsonl.
 
-    python -m sem_jax.demo_report runs/demo [runs/demo-research]
+    python -m sem_jax.demo.report runs/demo [runs/demo-research]
 
 The first run is SEM (its step-0 evaluation is the warm start); a second, optional run is the
 ReSearch baseline from the same warm start. Prints a markdown table, writes it to

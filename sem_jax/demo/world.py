@@ -29,7 +29,8 @@ from collections.abc import Sequence
 import numpy as np
 
 from sem_jax.data.example import Example
-from sem_jax.sem.template import SYSTEM_PROMPT, encode_prompt
+from sem_jax.protocol import SEM
+from sem_jax.protocol.sem import direct_trace, result_text, search_call
 
 _ONSETS = ["b", "d", "f", "g", "k", "l", "m", "n", "p", "r", "s", "t", "v", "z", "br", "dr", "kr", "st", "tr"]
 _VOWELS = ["a", "e", "i", "o", "u"]
@@ -46,8 +47,7 @@ PHRASINGS = {  # (phrasing A, phrasing B). Names never open a question: " Madre"
     "sum": ("What is {a} plus {b}?", "How much is {a} plus {b}?"),
     "capital": ("What is the capital of {c}?", "Which city is the capital of {c}?"),
 }
-THINK_FIRST = "<think>ok</think>"
-THINK_AFTER = "<think>found</think>"
+THINK_FIRST, THINK_AFTER = "ok", "found"  # what the traces think before each answer
 
 
 @dataclasses.dataclass(frozen=True)
@@ -193,17 +193,16 @@ def build_world(cfg: WorldConfig = WorldConfig()) -> World:
 
 
 def world_config(config) -> WorldConfig:
-    """The synthetic world of a training config (`config.world`; its seed is the run's seed)."""
-    fields = {k: v for k, v in config.world.to_dict().items() if k != "enabled"}
-    return WorldConfig(seed=config.seed, **fields)
+    """The synthetic world of a demo config (`config.world`; its seed is the run's seed)."""
+    return WorldConfig(seed=config.seed, **config.world.to_dict())
 
 
 def texts(world: World) -> list[str]:
     """What the demo's BPE is trained on: the world's text, and the chat roles and protocol tags
     (repeated, so that they merge: a response is then a few tokens of format, not dozens of
     characters)."""
-    protocol = (f"system\nuser\nassistant\n{THINK_FIRST}<answer> x</answer><search> q</search>\n<result>\n"
-                f"(1) t: x\n</result>\n{THINK_AFTER}<answer> x</answer>")
+    protocol = ("system\nuser\nassistant\n" + direct_trace(THINK_FIRST, " x") + search_call(" q") +
+                result_text("(1) t: x") + direct_trace(THINK_AFTER, " x"))
     return [f"{d['title']} {d['text']}" for d in world.corpus] + [
         e.question + " " + e.answers[0] for e in world.train + world.eval + world.known + world.warm_unknown] + \
         [protocol] * 50
@@ -230,15 +229,13 @@ def _guess(world: World, ex: Example, rng: np.random.RandomState) -> str:
 
 
 def warm_start_pairs(world: World, tokenizer, retriever, *, top_k: int, max_tokens_per_passage: int,
-                     system_prompt: str = SYSTEM_PROMPT, search_prob: tuple[float, float] = (0.8, 0.2),
+                     system_prompt: str = SEM.system_prompt, search_prob: tuple[float, float] = (0.8, 0.2),
                      copies: tuple[int, int] = (8, 1), seed: int = 0, eos: str = "<|im_end|>") -> list[tuple[list[int], list[tuple[list[int], bool]]]]:
     """(prompt ids, [(segment ids, trained)]) pairs in the answer-first format: every known
     question (both phrasings) `copies[0]` times and every warm-start lookup `copies[1]` times
     (known facts need repetition to be memorised), each copy deciding afresh whether to
     search (probability by phrasing). Result blocks are real retriever output, tokenized apart
     from the sampled text exactly as the rollout inserts them (trained=False)."""
-    from sem_jax.retrieval import format_results
-
     rng = np.random.RandomState(seed)
     questions = world.known + world.warm_unknown
     enc = lambda s: tokenizer.encode(s, add_special_tokens=False)
@@ -249,18 +246,18 @@ def warm_start_pairs(world: World, tokenizer, retriever, *, top_k: int, max_toke
             first = ex.answers[0] if ex.source == "known" else _guess(world, ex, rng)
             # A space inside the tags: names are then the same tokens as in the question and the
             # passages (" Madre", not "Madre"), so looking up and answering are plain copies.
-            text = f"{THINK_FIRST}<answer> {first}</answer>"
+            text = direct_trace(THINK_FIRST, f" {first}")
             if rng.rand() >= search_prob[style]:
-                pairs.append((encode_prompt(tokenizer, ex, system_prompt), [(enc(text + eos), True)]))
+                pairs.append((SEM.encode_prompt(tokenizer, ex, system_prompt), [(enc(text + eos), True)]))
                 continue
             segments = []
             for query in _query_chain(world, ex):
-                segments.append((enc(f"{text}<search> {query}</search>"), True))
+                segments.append((enc(text + search_call(f" {query}")), True))
                 hits = retriever.search([query], top_k)[0]
-                segments.append((enc(format_results(hits, tokenizer, max_tokens_per_passage)), False))
+                segments.append((enc(SEM.format_results(hits, tokenizer, max_tokens_per_passage)), False))
                 text = ""
-            segments.append((enc(f"{THINK_AFTER}<answer> {ex.answers[0]}</answer>{eos}"), True))
-            pairs.append((encode_prompt(tokenizer, ex, system_prompt), segments))
+            segments.append((enc(direct_trace(THINK_AFTER, f" {ex.answers[0]}") + eos), True))
+            pairs.append((SEM.encode_prompt(tokenizer, ex, system_prompt), segments))
     return pairs
 
 

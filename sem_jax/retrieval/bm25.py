@@ -17,7 +17,6 @@ from sem_jax.rows import jsonl_lines, parse_rows
 
 
 FORMAT = "sem_jax.bm25/1"
-NO_QUERY = "No query: write the query between <search> and </search>."
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,16 +118,13 @@ class Retriever:
 
     def search(self, queries: Sequence[str], k: int) -> list[list[Passage]]:
         """Top-k passages per query, best first (k clipped to the corpus size; passages
-        with no matching term are left out). An empty query gets one "no query" passage."""
+        with no matching term are left out, and so a blank query gets none)."""
         import bm25s
 
         self.calls += 1
         k = max(1, min(int(k), len(self)))
         out: list[list[Passage]] = [[] for _ in queries]
         live = [i for i, q in enumerate(queries) if q.strip()]
-        for i, q in enumerate(queries):
-            if not q.strip():
-                out[i] = [Passage(id="", title="", text=NO_QUERY)]
         if not live:
             return out
         tokens = bm25s.tokenize([queries[i] for i in live], stopwords=self.settings["stopwords"],

@@ -94,8 +94,9 @@ class GRPOTrainer:
         self.per_layer = per_layer_default() if per_layer is None else per_layer
         self.tx = make_optimizer(optim)
         self.ref_passes = 0  # reference forward passes run (0 when beta == 0)
-        self._logprobs = jax.jit(self._logprobs_fn)
-        self._update = jax.jit(self._update_fn, donate_argnums=(0, 1))
+        # The compiled functions (`sem_jax.aot` lowers these for a target without running them).
+        self.logprobs_fn = jax.jit(self._logprobs)
+        self.update_fn = jax.jit(self._update, donate_argnums=(0, 1))
 
     def init_opt_state(self, params):
         """Optimizer state placed as `update` returns it: optax makes the step count an
@@ -108,7 +109,7 @@ class GRPOTrainer:
 
     # -- pure functions -----------------------------------------------------------------
 
-    def _logprobs_fn(self, params, batch):
+    def _logprobs(self, params, batch):
         def one(mb):
             return self._token_logprobs(params, mb)[0]
         mbs = _micro({k: batch[k] for k in LOGPROB_KEYS if k in batch}, self.micro_batch, self.share)
@@ -119,7 +120,7 @@ class GRPOTrainer:
         return token_logprobs(nnx.merge(self.graphdef, params), mb["inputs"], mb["targets"], self.chunk,
                               per_layer=self.per_layer, start=start, group=1 if start is None else self.share)
 
-    def _update_fn(self, params, opt_state, batch, ref_logprobs):
+    def _update(self, params, opt_state, batch, ref_logprobs):
         def loss_fn(p, mb):
             lp, ent = self._token_logprobs(p, mb)
             old = mb["old_logprobs"] if "old_logprobs" in mb else jax.lax.stop_gradient(lp)
@@ -162,7 +163,7 @@ class GRPOTrainer:
 
     def logprobs(self, params, batch: dict[str, np.ndarray]) -> jax.Array:
         """Per-target log-probs, shaped like `batch["targets"]` (for the reference policy, or old logprobs)."""
-        return self._logprobs(params, {k: batch[k] for k in LOGPROB_KEYS if k in batch})
+        return self.logprobs_fn(params, {k: batch[k] for k in LOGPROB_KEYS if k in batch})
 
     def reference_logprobs(self, ref_params, batch):
         """None when beta == 0: the reference pass is then never run."""
@@ -174,4 +175,4 @@ class GRPOTrainer:
     def update(self, params, opt_state, batch: dict[str, Any], ref_logprobs=None):
         """One optimizer step over all micro-batches. Donates params and opt_state."""
         keys = (*LOGPROB_KEYS, "mask", "advantages", "sampler_logprobs", "old_logprobs")
-        return self._update(params, opt_state, {k: batch[k] for k in keys if k in batch}, ref_logprobs)
+        return self.update_fn(params, opt_state, {k: batch[k] for k in keys if k in batch}, ref_logprobs)

@@ -16,18 +16,17 @@ import jax
 import numpy as np
 
 from sem_jax import hosts
-from sem_jax.retrieval.format import format_results
+from sem_jax.protocol import SEM, Protocol
 from sem_jax.sampling.sampler import Sampler
-
-LIMIT_NOTE = "\n<result>\nSearch limit reached: answer with what you know.\n</result>\n"
 
 
 @dataclasses.dataclass(frozen=True)
 class RolloutConfig:
-    group_size: int = 5            # G trajectories per prompt
-    max_searches: int = 2          # searches answered per trajectory; then LIMIT_NOTE once
-    top_k: int = 3                 # passages per search
-    max_tokens_per_passage: int = 96
+    """Built from a config by `sem_jax.assemble.settings` (the config holds the defaults)."""
+    group_size: int                # G trajectories per prompt
+    max_searches: int              # searches answered per trajectory; then the protocol's limit note once
+    top_k: int                     # passages per search
+    max_tokens_per_passage: int
 
 
 @dataclasses.dataclass
@@ -52,21 +51,10 @@ class RolloutStats:
     retriever_calls: int = 0
 
 
-def parse_query(text: str) -> str:
-    """The query of the last `<search>...</search>` in `text` ('' when there is none)."""
-    end = text.rfind("</search>")
-    if end < 0:
-        return ""
-    start = text.rfind("<search>", 0, end)
-    prev_end = text.rfind("</search>", 0, end)
-    if start < 0 or start < prev_end:
-        return ""
-    return text[start + len("<search>"):end].strip()
-
-
 def rollout(sampler: Sampler, tokenizer, retriever, prompts: Sequence[Sequence[int]], key: jax.Array,
-            cfg: RolloutConfig) -> tuple[list[Trajectory], RolloutStats]:
-    """G trajectories per prompt (row = prompt * G + g), with searches answered by `retriever`.
+            cfg: RolloutConfig, protocol: Protocol = SEM) -> tuple[list[Trajectory], RolloutStats]:
+    """G trajectories per prompt (row = prompt * G + g), with searches answered by `retriever`;
+    `protocol` reads the queries and writes the inserted blocks.
 
     On a multi-process run each process passes its own prompts and gets its own trajectories;
     prompts are padded (with repeats, rolled out and dropped) to the same count everywhere and
@@ -86,7 +74,7 @@ def rollout(sampler: Sampler, tokenizer, retriever, prompts: Sequence[Sequence[i
     refused = np.zeros(b, bool)
     ended_by_limit = np.zeros(b, bool)
     queries: list[list[str]] = [[] for _ in range(b)]
-    note_ids = tokenizer.encode(LIMIT_NOTE, add_special_tokens=False)
+    note_ids = tokenizer.encode(protocol.limit_note, add_special_tokens=False)
     while True:
         t0 = time.perf_counter()
         state = sampler.decode(state)
@@ -112,11 +100,11 @@ def rollout(sampler: Sampler, tokenizer, retriever, prompts: Sequence[Sequence[i
         if ask:  # this process's rows only: every host searches for its own
             t0 = time.perf_counter()
             texts = [tokenizer.decode(resp[r, :lens[r]].tolist(), skip_special_tokens=True) for r in ask]
-            qs = [parse_query(t) for t in texts]
+            qs = [protocol.parse_query(t) for t in texts]
             results = retriever.search(qs, cfg.top_k)  # once per pause round, for every row
             stats.retriever_calls += 1
             for row, q, res in zip(ask, qs, results):
-                text = format_results(res, tokenizer, cfg.max_tokens_per_passage)
+                text = protocol.result_block(q, res, tokenizer, cfg.max_tokens_per_passage)
                 blocks[row] = tokenizer.encode(text, add_special_tokens=False)
                 searches[row] += 1
                 queries[row].append(q)

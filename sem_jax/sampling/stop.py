@@ -107,13 +107,12 @@ def _byte_dfa(stops: Sequence[bytes]) -> tuple[np.ndarray, np.ndarray]:
     return delta, np.array(accept)
 
 
-def build_stop_automaton(tokenizer, stops: Sequence[str] = ("</search>",),
-                         vocab_size: int | None = None) -> StopAutomaton:
+def build_stop_automaton(tokenizer, stops: Sequence[str], vocab_size: int | None = None) -> StopAutomaton:
     """Token-level stop table for `stops` over the tokenizer's vocabulary (padded to `vocab_size`)."""
     return stop_automaton_from_bytes(token_bytes(tokenizer, vocab_size), stops)
 
 
-def stop_automaton_from_bytes(toks: Sequence[bytes], stops: Sequence[str] = ("</search>",)) -> StopAutomaton:
+def stop_automaton_from_bytes(toks: Sequence[bytes], stops: Sequence[str]) -> StopAutomaton:
     """Token-level stop table given each token id's bytes."""
     if not stops or any(not s for s in stops):
         raise ValueError(f"stop strings must be non-empty, got {stops!r}")

@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 
 from sem_jax.data.example import Example
-from sem_jax.sem.parse import Parsed
+from sem_jax.protocol.sem import Parsed
 from sem_jax.sem.scoring import score_answer
 
 CASES = ("invalid", "direct_correct", "direct_wrong", "redundant_search", "search_after_wrong",
