@@ -20,9 +20,9 @@ def get_config():
     c.data.prompts_per_step = 16
     c.retrieval.index_dir = "/data/index"  # scripts/build_index.py
     # Estimate with `python -m sem_jax.aot --config configs/gpu.py --hbm_gib 80` (compiled for the CPU
-    # backend, so an estimate): update peak 60.6 GiB at micro-batch 4 with remat dots; 89.8 at 8; 65.1
-    # at 5 (= G: each group's prompt then runs once, 14% fewer update FLOPs per row; not yet run on a GPU).
-    c.rl.micro_batch = 4
+    # backend, so an estimate) for 1024 sampled + 1504 inserted response tokens: update peak 73.3 GiB
+    # at micro-batch 2 with remat dots, 116.0 at 4, 52.3 at 1.
+    c.rl.micro_batch = 2
     c.train.total_steps = 500
     c.train.eval_every = 50
     c.train.ckpt_every = 50

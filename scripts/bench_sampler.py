@@ -251,7 +251,8 @@ def bench_shape(name, spec, repeats, dtype, save_dir=None):
         counter[:, s] = (0 * 2 + 1) if nxt == every else nxt * 2
     pausing = StopAutomaton(("<every %d tokens>" % every,), counter)
     tok, retriever = WordTokenizer(cfg.vocab_size), FixedQueryRetriever()
-    rcfg = RolloutConfig(group_size=1, max_searches=2, top_k=1, max_tokens_per_passage=16)
+    rcfg = RolloutConfig(group_size=1, max_searches=2, top_k=1, max_tokens_per_passage=16, max_block_tokens=512,
+                         max_note_tokens=64)
     block = len(tok.encode(format_results(retriever.search(["q"], 1)[0], tok, rcfg.max_tokens_per_passage)))
     results = {}
     for label, stop, budget in (("no_pause", never, new), ("two_pauses", pausing, new + 2 * block)):

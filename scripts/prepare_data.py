@@ -1,11 +1,14 @@
 """Write the SEM training mix (and a held-out eval split) as sem_jax question files.
 
     python scripts/prepare_data.py --musique musique_ans_v1.0_train.jsonl --mmlu mmlu_auxiliary_train.parquet \
-        --out data/ [--ratio 1.0] [--eval 100] [--seed 0]
+        --out data/ --tokenizer /models/Qwen2.5-7B-Instruct [--max_prompt_tokens 256] [--ratio 1.0] [--eval 100]
 
-Each --musique / --mmlu is a local file in the official schema or a hub id. The mix holds
-`ratio` MuSiQue questions per MMLU question, shuffled with the seed; the first --eval
-questions of the shuffled mix are held out as sem_eval.jsonl (the rest: sem_train.jsonl).
+Each --musique / --mmlu is a local file in the official schema or a hub id. With --tokenizer,
+questions whose prompt (the protocol's chat prompt) is over --max_prompt_tokens are skipped and
+counted by source first (MMLU's auxiliary_train holds reading passages of thousands of tokens;
+training skips them too). The mix holds `ratio` MuSiQue questions per MMLU question, shuffled with
+the seed; the first --eval questions of the shuffled mix are held out as sem_eval.jsonl (the
+rest: sem_train.jsonl).
 """
 
 import argparse
@@ -25,13 +28,25 @@ def main(argv=None) -> int:
     ap.add_argument("--eval", type=int, default=100, help="held-out questions")
     ap.add_argument("--limit", type=int, default=None, help="questions in the mix at most")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--tokenizer", default=None, help="tokenizer directory (the model's): skip over-long prompts")
+    ap.add_argument("--max_prompt_tokens", type=int, default=256, help="the training config's data.max_prompt_tokens")
+    ap.add_argument("--protocol", default="sem", help="whose chat prompt is measured (sem | research)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
     from sem_jax.data.mix import sem_mix
     from sem_jax.data.sources import load_source
 
-    mix = sem_mix(load_source("musique", args.musique), load_source("mmlu", args.mmlu, split="auxiliary_train"),
-                  ratio=args.ratio, seed=args.seed, limit=args.limit)
+    musique, mmlu = load_source("musique", args.musique), load_source("mmlu", args.mmlu, split="auxiliary_train")
+    if args.tokenizer:
+        from sem_jax.assemble import cap_prompts
+        from sem_jax.model.tokenizer import load_tokenizer
+        from sem_jax.protocol import get_protocol
+        tok, protocol = load_tokenizer(args.tokenizer), get_protocol(args.protocol)
+        musique, mmlu = (cap_prompts(xs, protocol, protocol.system_prompt, tok, args.max_prompt_tokens, path)
+                         for xs, path in ((musique, args.musique), (mmlu, args.mmlu)))
+    else:
+        print("prompt lengths not checked (no --tokenizer): training skips prompts over data.max_prompt_tokens")
+    mix = sem_mix(musique, mmlu, ratio=args.ratio, seed=args.seed, limit=args.limit)
     os.makedirs(args.out, exist_ok=True)
     for name, rows in (("sem_eval.jsonl", mix[:args.eval]), ("sem_train.jsonl", mix[args.eval:])):
         with open(os.path.join(args.out, name), "w") as fh:

@@ -127,16 +127,18 @@ def check(config: ConfigDict, topology: str | None = None, hbm_gib: float | None
         lambda v: v.replace(jax.ShapeDtypeStruct(v.shape, v.dtype,
                                                  sharding=named_sharding(mesh, v.get_metadata()["axes"], v.shape))),
         state, is_leaf=lambda x: isinstance(x, nnx.Variable))
-    r, g = config.rollout, config.rollout.group_size
+    g = config.rollout.group_size
     rows_n = config.data.prompts_per_step * g
     trainer = build_trainer(config, model, s, mesh, per_layer=False)  # the layer scan, as on the TPU
     out: list[Row] = []
     with jax.set_mesh(mesh):
         opt_shapes = jax.eval_shape(trainer.tx.init, params)
         opt = _abstract(opt_shapes, match_param_shardings(opt_shapes, params, mesh))
-        # The widest batch `build_batch` makes: T for the inputs, R for the response window.
-        t = bucket_length(config.data.max_prompt_tokens + r.max_new_tokens - 1, 32)
-        w = bucket_length(r.max_new_tokens, 32)
+        # The widest batch `build_batch` makes: T for the inputs, R for the response window (the
+        # sampled budget and the room for every search's inserted results).
+        resp = s.sampling.response_tokens
+        t = bucket_length(config.data.max_prompt_tokens + resp - 1, 32)
+        w = bucket_length(resp, 32)
 
         def arr(shape, dt):
             return jax.ShapeDtypeStruct(shape, dt, sharding=batch_sharding(mesh, shape))
@@ -151,7 +153,7 @@ def check(config: ConfigDict, topology: str | None = None, hbm_gib: float | None
         p = config.data.prompts_per_step
         tp = bucket_length(config.data.max_prompt_tokens)
         key = jax.eval_shape(lambda: jax.random.key(0))
-        static = dict(group_size=g, cache_len=tp + r.max_new_tokens, resp_len=r.max_new_tokens, cache_dtype=compute)
+        static = dict(group_size=g, cache_len=tp + resp, resp_len=resp, cache_dtype=compute)
         prompts, lengths = arr((p, tp), jnp.int32), arr((p,), jnp.int32)
         row, prefill = _compile("sampler prefill", prefill_step.lower(graphdef, params, None, prompts, lengths,
                                                                       key, **static))
@@ -165,7 +167,7 @@ def check(config: ConfigDict, topology: str | None = None, hbm_gib: float | None
         table = jax.ShapeDtypeStruct((mcfg.vocab_size, states), jnp.int32)
         out.append(_compile("sampler decode loop", decode_loop.lower(
             graphdef, params, None, state, table, jax.ShapeDtypeStruct((2,), jnp.int32),
-            jax.ShapeDtypeStruct((), jnp.int32), cfg=s.sampling, window=tp + r.max_new_tokens))[0])
+            jax.ShapeDtypeStruct((), jnp.int32), cfg=s.sampling, window=tp + resp))[0])
     return out, hbm
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -30,15 +31,30 @@ from sem_jax.protocol import Protocol, get_protocol
 from sem_jax.rl.loss import GRPOConfig
 from sem_jax.rl.trainer import GRPOTrainer, OptimConfig
 from sem_jax.sampling import RolloutConfig, Sampler, SamplingConfig, build_stop_automaton
-from sem_jax.sem.reward import RewardParams, get_reward
+from sem_jax.sem.reward import RewardParams, check_sem_params, get_reward
 from sem_jax.sharding import make_mesh
 
 
 # -- the config's fields as runtime dataclasses ---------------------------------------------
 
+# Inserted tokens are bounded per search, so that buffers are sized from the config alone:
+PASSAGE_EXTRA_TOKENS = 16   # per passage beyond its text's budget: "(i) Title: ", " ...", the newline
+BLOCK_EXTRA_TOKENS = 16     # per result block beyond its passages: the tags
+NOTE_TOKENS = 32            # the search-limit note
+
+
+def inserted_tokens(config: ConfigDict) -> tuple[int, int]:
+    """(one search's block at most, all inserted tokens of a response at most): max_searches
+    blocks of top_k passages, and the limit note once."""
+    r = config.retrieval
+    block = r.top_k * (r.max_tokens_per_passage + PASSAGE_EXTRA_TOKENS) + BLOCK_EXTRA_TOKENS
+    return block, config.rollout.max_searches * block + NOTE_TOKENS
+
+
 @dataclasses.dataclass(frozen=True)
 class Settings:
     protocol: Protocol
+    system_prompt: str              # config.system_prompt, or the protocol's
     sampling: SamplingConfig        # training rollouts (eos ids added once the tokenizer is known)
     rollout: RolloutConfig
     grpo: GRPOConfig
@@ -50,26 +66,39 @@ class Settings:
     def greedy(self) -> SamplingConfig:
         """Evaluation: the same budget, greedy."""
         return SamplingConfig(max_new_tokens=self.sampling.max_new_tokens, greedy=True,
-                              eos_ids=self.sampling.eos_ids)
+                              eos_ids=self.sampling.eos_ids, max_inserted_tokens=self.sampling.max_inserted_tokens)
 
     def with_eos(self, tokenizer) -> "Settings":
         return dataclasses.replace(self, sampling=dataclasses.replace(self.sampling, eos_ids=stop_ids(tokenizer)))
 
 
 def settings(config: ConfigDict) -> Settings:
-    """Every runtime dataclass of `config`, checked (unknown reward names fail here)."""
+    """Every runtime dataclass of `config`, checked: unknown protocol or reward names, a reward
+    that cannot read the protocol's responses, SEM constants under which a search is free."""
     r = config.rollout
+    protocol = get_protocol(config.protocol)
+    reward = config.reward or protocol.reward
+    get_reward(reward)
+    if reward == "sem" and protocol.name != "sem":
+        raise ValueError(f"reward='sem' reads SEM's first and final answers; protocol={protocol.name!r} gives one "
+                         "answer (leave reward unset for the protocol's own)")
+    reward_params = RewardParams(**config.reward_params.to_dict())
+    if reward == "sem":
+        check_sem_params(reward_params)
+    block, inserted = inserted_tokens(config)
     return Settings(
-        protocol=get_protocol("sem"),
+        protocol=protocol,
+        system_prompt=config.system_prompt or protocol.system_prompt,
         sampling=SamplingConfig(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p,
-                                top_k=r.top_k),
+                                top_k=r.top_k, max_inserted_tokens=inserted),
         rollout=RolloutConfig(group_size=r.group_size, max_searches=r.max_searches, top_k=config.retrieval.top_k,
-                              max_tokens_per_passage=config.retrieval.max_tokens_per_passage),
+                              max_tokens_per_passage=config.retrieval.max_tokens_per_passage,
+                              max_block_tokens=block, max_note_tokens=NOTE_TOKENS),
         grpo=GRPOConfig(beta=config.rl.beta, clip_eps=config.rl.clip_eps, clip_eps_high=config.rl.clip_eps_high,
                         loss_agg=config.rl.loss_agg, dr_grpo_length=r.max_new_tokens),
         optim=OptimConfig(total_steps=config.train.total_steps, **config.optim.to_dict()),
-        reward=get_reward(config.reward),
-        reward_params=RewardParams(**config.reward_params.to_dict()),
+        reward=get_reward(reward),
+        reward_params=reward_params,
     )
 
 
@@ -140,7 +169,25 @@ def build_retriever(config: ConfigDict):
 def build_sampler(model: Qwen2, tokenizer, sampling: SamplingConfig, config: ConfigDict, protocol: Protocol, *,
                   mesh: Mesh | None = None, calls: CallLog | None = None) -> Sampler:
     stop = build_stop_automaton(tokenizer, protocol.stop_strings, vocab_size=model.config.vocab_size)
-    return Sampler(model, stop, sampling, mesh=mesh, calls=calls, window_steps=config.rollout.window_steps)
+    return Sampler(model, stop, sampling, mesh=mesh, calls=calls, window_steps=config.rollout.window_steps,
+                   max_prompt_tokens=config.data.max_prompt_tokens)
+
+
+def cap_prompts(examples: Sequence[Example], protocol: Protocol, system_prompt: str, tokenizer, limit: int,
+                where: str) -> list[Example]:
+    """The examples whose prompt fits in `limit` tokens, in order; the others are counted by source
+    and reported (the sampler refuses longer prompts: the fit check and the buckets assume the cap)."""
+    keep, skipped = [], Counter()
+    for e in examples:
+        if len(protocol.encode_prompt(tokenizer, e, system_prompt)) <= limit:
+            keep.append(e)
+        else:
+            skipped[e.source] += 1
+    if skipped:
+        by = ", ".join(f"{k} {v}" for k, v in sorted(skipped.items()))
+        print(f"{where}: skipped {sum(skipped.values())} of {len(examples)} questions whose prompt is over "
+              f"data.max_prompt_tokens={limit} ({by})", flush=True)
+    return keep
 
 
 def build_trainer(config: ConfigDict, model: Qwen2, s: Settings, mesh: Mesh, *, processes: int = 1,
@@ -184,17 +231,23 @@ def build_run(config: ConfigDict) -> Run:
     run_dir = os.path.abspath(config.run_dir)
     mesh = build_mesh(config)
     train_set = load_questions(config.data.train_file)
-    eval_all = load_questions(config.data.eval_file)[:config.data.eval_questions]
-    eval_set = process_share(eval_all, pid, nproc)  # each process evaluates its share
-    if not eval_set:
-        raise ValueError(f"{nproc} processes need at least as many eval questions (data.eval_questions)")
+    eval_all = load_questions(config.data.eval_file)
     retriever = build_retriever(config)
     # Text for a random-init model's BPE (only read when no model.path is given).
-    texts = lambda: [config.system_prompt] + [e.question + " " + " ".join(e.answers)
-                                              for e in train_set + eval_all] + \
+    texts = lambda: [s.system_prompt] + [e.question + " " + " ".join(e.answers)
+                                              for e in train_set + eval_all[:config.data.eval_questions]] + \
         [f"{d['title']} {d['text']}" for d in retriever.passages()]
     model, tokenizer = build_policy(config, texts, run_dir, mesh)
     s = s.with_eos(tokenizer)
+    cap = lambda xs, where: cap_prompts(xs, s.protocol, s.system_prompt, tokenizer, config.data.max_prompt_tokens,
+                                        where)
+    train_set = cap(train_set, config.data.train_file)
+    if not train_set:
+        raise ValueError(f"{config.data.train_file}: no question's prompt fits data.max_prompt_tokens")
+    eval_all = cap(eval_all, config.data.eval_file)[:config.data.eval_questions]
+    eval_set = process_share(eval_all, pid, nproc)  # each process evaluates its share
+    if not eval_set:
+        raise ValueError(f"{nproc} processes need at least as many eval questions (data.eval_questions)")
     calls = CallLog(config.train.debug_hosts)
     trainer = build_trainer(config, model, s, mesh, processes=nproc)
     # Each process pads its rows so that the global batch splits into micro-batches and over the

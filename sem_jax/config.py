@@ -13,7 +13,6 @@ import os
 from ml_collections import ConfigDict, config_dict
 
 from sem_jax.data.questions import DEMO_DIR
-from sem_jax.protocol import SEM
 from sem_jax.sem.reward import RewardParams
 
 
@@ -21,7 +20,8 @@ def base_config() -> ConfigDict:
     c = ConfigDict()
     c.seed = 0
     c.run_dir = "runs/demo"  # checkpoints, TensorBoard events, metrics.jsonl, config.json
-    c.system_prompt = SEM.system_prompt  # the answer-first instructions (sem_jax.protocol.sem)
+    c.protocol = "sem"                   # sem | research: prompts, parser, result blocks and reward together
+    c.system_prompt = config_dict.placeholder(str)  # None: the protocol's (sem_jax/protocol/)
 
     c.model = ConfigDict()
     c.model.path = config_dict.placeholder(str)        # local HF Qwen2 directory; None: random init (below)
@@ -61,7 +61,8 @@ def base_config() -> ConfigDict:
     c.rollout = ConfigDict()
     c.rollout.group_size = 5             # G: trajectories per question
     c.rollout.max_searches = 2           # answered searches per trajectory
-    c.rollout.max_new_tokens = 128       # response budget: sampled + inserted tokens
+    c.rollout.max_new_tokens = 128       # sampled tokens per response; inserted results get room of their
+                                         # own (sem_jax.assemble.inserted_tokens)
     c.rollout.temperature = 1.0
     c.rollout.top_p = 1.0
     c.rollout.top_k = 0
@@ -69,8 +70,10 @@ def base_config() -> ConfigDict:
     # not the whole response budget (each window size compiles once); 0: the whole cache.
     c.rollout.window_steps = 32
 
-    c.reward = "sem"                     # sem | research
-    c.reward_params = ConfigDict(dataclasses.asdict(RewardParams()))
+    # None: the protocol's own reward. `research` on the sem protocol is ReSearch's reward on SEM's
+    # format (the demo's baseline), not ReSearch as ReSearch runs (protocol=research).
+    c.reward = config_dict.placeholder(str)
+    c.reward_params = ConfigDict(dataclasses.asdict(RewardParams()))  # sem_jax.sem.reward.RewardParams
 
     c.rl = ConfigDict()
     c.rl.beta = 0.001                    # KL to the frozen reference (k3); 0 skips the reference pass

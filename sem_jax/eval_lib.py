@@ -17,18 +17,19 @@ from sem_jax.sem.scoring import score_answer
 
 
 def score_trajectory(t: Trajectory, ex: Example, protocol: Protocol = SEM) -> dict:
-    p = protocol.parse(t.text)
+    p = protocol.parse(t.text, t.end_reason == "eos")
     em, f1 = score_answer(p.answer, ex)
     return {"id": ex.id, "source": ex.source, "question": ex.question, "gold": list(ex.answers),
             "answer": p.answer, "valid": p.valid, "em": em, "f1": f1, "searches": t.num_searches,
             "response_tokens": int(len(t.response_ids)), "end_reason": t.end_reason, "response": t.text}
 
 
-RECORD_KEYS = ("source", "em", "f1", "searches", "response_tokens", "valid")  # what `aggregate` reads
+RECORD_KEYS = ("source", "em", "f1", "searches", "response_tokens", "valid", "end_reason")  # what `aggregate` reads
 
 
 def aggregate(records: Sequence[dict]) -> dict[str, float]:
-    """Means overall and per source: em, f1, search_ratio (share with >= 1 search), searches/question."""
+    """Means overall and per source: em, f1, search_ratio (share with >= 1 search), searches/question,
+    response tokens, the share of valid responses and of responses cut by the budget (`length`)."""
     out: dict[str, float] = {}
     groups = defaultdict(list)
     for r in records:
@@ -42,6 +43,7 @@ def aggregate(records: Sequence[dict]) -> dict[str, float]:
         out[f"searches_per_q{sfx}"] = float(np.mean([r["searches"] for r in rs]))
         out[f"response_tokens{sfx}"] = float(np.mean([r["response_tokens"] for r in rs]))
         out[f"valid{sfx}"] = float(np.mean([r["valid"] for r in rs]))
+        out[f"length{sfx}"] = float(np.mean([r["end_reason"] == "length" for r in rs]))
     return out
 
 

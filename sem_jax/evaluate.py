@@ -114,15 +114,21 @@ def run_config(checkpoint: str):
     path = os.path.join(checkpoint_run_dir(checkpoint), "config.json")
     if not os.path.exists(path):
         raise app.UsageError(f"{path}: not found; give --config (the model, retrieval and rollout settings)")
+    from sem_jax.config import base_config
+
+    def merge(base: dict, run: dict) -> dict:  # fields newer than the run keep their defaults
+        for k, v in run.items():
+            base[k] = merge(base[k], v) if isinstance(v, dict) and isinstance(base.get(k), dict) else v
+        return base
     with open(path) as fh:
-        return ConfigDict(json.load(fh))
+        return ConfigDict(merge(base_config().to_dict(), json.load(fh)))
 
 
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     absl_logging.set_verbosity(absl_logging.WARNING)
-    from sem_jax.assemble import build_retriever, build_sampler, settings
+    from sem_jax.assemble import build_retriever, build_sampler, cap_prompts, settings
     from sem_jax.data.questions import load_questions
     from sem_jax.data.sources import load_source
 
@@ -143,13 +149,15 @@ def main(argv):
     else:
         data = {"eval": load_questions(config.data.eval_file)[:FLAGS.limit]}
     s = s.with_eos(tokenizer)
+    data = {name: cap_prompts(examples, s.protocol, s.system_prompt, tokenizer, config.data.max_prompt_tokens, name)
+            for name, examples in data.items()}
     sampler = build_sampler(model, tokenizer, s.greedy, config, s.protocol)
     out = FLAGS.out or os.path.join(config.run_dir, "eval")
     os.makedirs(out, exist_ok=True)
     modes = [m.strip() for m in FLAGS.modes.split(",") if m.strip()]
     results = evaluate_modes(sampler, tokenizer, build_retriever(config), data, modes, s.rollout,
                              batch_size=config.data.prompts_per_step * config.rollout.group_size, out_dir=out,
-                             system_prompt=config.system_prompt, protocol=s.protocol)
+                             system_prompt=s.system_prompt, protocol=s.protocol)
     print(results_table(results, list(data)))
     print(f"wrote {out}/results.md, results.json and per-question predictions")
 

@@ -118,7 +118,7 @@ def step_questions(run: Run, step: int) -> list[Example]:
 def rollout_and_score(run: Run, state: TrainState, examples: list[Example]) -> Scored:
     """G trajectories per question, their rewards and group-relative advantages."""
     s, c = run.settings, run.config
-    prompts = [s.protocol.encode_prompt(run.tokenizer, e, c.system_prompt) for e in examples]
+    prompts = [s.protocol.encode_prompt(run.tokenizer, e, s.system_prompt) for e in examples]
     run.sampler.set_params(state.params)
     with jax.set_mesh(run.mesh):
         t0 = time.perf_counter()
@@ -128,7 +128,7 @@ def rollout_and_score(run: Run, state: TrainState, examples: list[Example]) -> S
     rewards, cases, records = [], [], []
     for t in trajs:
         ex = examples[t.prompt_index]
-        rew, case = s.reward(s.protocol.parse(t.text), ex, s.reward_params)
+        rew, case = s.reward(s.protocol.parse(t.text, t.end_reason == "eos"), ex, s.reward_params)
         rewards.append(rew)
         cases.append(case)
         records.append(score_trajectory(t, ex, s.protocol))
@@ -180,7 +180,7 @@ def step_metrics(run: Run, state: TrainState, scored: Scored, m: dict, host: dic
                "adv/abs_mean": float(np.abs(adv).mean()),
                "tokens_per_s": sampled / max(scored.seconds, 1e-9), "time/step": seconds,
                "time/rollout": scored.seconds, "time/retrieval": rs.retrieval_s, "pause_rounds": rs.pause_rounds,
-               "retriever_calls": rs.retriever_calls, **times}
+               "retriever_calls": rs.retriever_calls, "cut_blocks": rs.cut_blocks, **times}
     metrics.update(aggregate(records))
     if run.config.peak_flops:
         flops = step_flops(run.model.config, sampled, train_tokens, state.ref_params is not None)
@@ -198,7 +198,7 @@ def evaluate_policy(run: Run, state: TrainState) -> dict[str, float]:
     s = run.settings
     with jax.set_mesh(run.mesh):
         records = run_mode("policy", run.greedy, run.tokenizer, run.retriever, padded, s.rollout,
-                           run.per_host * s.rollout.group_size, run.config.system_prompt, s.protocol)[:len(eval_set)]
+                           run.per_host * s.rollout.group_size, s.system_prompt, s.protocol)[:len(eval_set)]
     scores = aggregate(sum(gather_json([{k: r[k] for k in RECORD_KEYS} for r in records]), []))
     run.calls.check(f"eval at step {state.step}")
     return scores

@@ -17,7 +17,13 @@ def _load(name, *args):
 
 def test_configs():
     demo = _load("demo_cpu")
-    assert demo.model.path is None and demo.reward == "sem"
+    from sem_jax.assemble import settings
+    from sem_jax.sem.reward import research_reward, sem_reward
+    assert demo.model.path is None and demo.protocol == "sem" and settings(demo).reward is sem_reward
+    gpu = _load("gpu")
+    assert settings(gpu).system_prompt.startswith("Answer the question. First think briefly")
+    gpu.protocol = "research"  # the protocol brings its own prompt and reward
+    assert settings(gpu).reward is research_reward and "wikipedia search tool" in settings(gpu).system_prompt
     gpu = _load("gpu")
     assert "Qwen2.5-1.5B-Instruct" in gpu.model.path and gpu.model.compute_dtype == "bfloat16"
     assert gpu.rollout.group_size == 5 and gpu.retrieval.top_k == 5 and gpu.optim.lr == 1e-6

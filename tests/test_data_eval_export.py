@@ -127,7 +127,8 @@ def test_evaluate_table_and_naive_rag_calls(qwen25_tokenizer, tmp_path):
     tok = qwen25_tokenizer
     enc = lambda s: tok.encode(s, add_special_tokens=False)
     retriever = CountingRetriever(Retriever.build(DOCS, show_progress=False))
-    cfg = RolloutConfig(group_size=1, max_searches=1, top_k=1, max_tokens_per_passage=32)
+    cfg = RolloutConfig(group_size=1, max_searches=1, top_k=1, max_tokens_per_passage=32, max_block_tokens=512,
+                        max_note_tokens=64)
     # The scripted "policy": u1 searches and gets it right (F1 1); u2 answers directly and wrong;
     # k1 answers right directly; k2 searches needlessly, then answers right.
     block = lambda q: enc(format_results(retriever.inner.search([q], 1)[0], tok, 32))
@@ -161,6 +162,12 @@ def test_evaluate_table_and_naive_rag_calls(qwen25_tokenizer, tmp_path):
     assert [json.loads(x)["answer"] for x in lines] == ["Selbury", "Kelmsby town", "4", "6"]
     assert "| policy | 75.00 | 91.67 | 50.00 |" in (tmp_path / "results.md").read_text()
     assert results_table(res, ["toy"]).startswith("| method | toy EM | toy F1 | toy SR |")
+    assert m["length"] == 0.0 and m["valid"] == 1.0  # every response ended with EOS
+    # Five sampled tokens: every response is cut by the budget, and counted so.
+    short = Sampler(ScriptedPolicy(script, len(tok)), build_stop_automaton(tok, SEM.stop_strings),
+                    SamplingConfig(max_new_tokens=5, greedy=True, eos_ids=(151645,)))
+    cut = evaluate_modes(short, tok, retriever, {"toy": QA}, ["policy"], cfg, batch_size=4)["policy"]["toy"]
+    assert cut["length"] == 1.0 and cut["length/toy"] == 1.0 and cut["valid"] == 0.0
 
     # naive_rag: the retriever is asked exactly once per question, with the question.
     retriever.queries.clear()
@@ -248,3 +255,43 @@ def test_prepare_data_writes_loadable_mix(files, tmp_path):
     assert sorted(e.source for e in rows) == ["mmlu", "mmlu", "musique", "musique"]
     mc = [e for e in rows if e.kind == "mc"][0]
     assert mc.options and mc.answers[0] in "AB"
+
+
+def test_prompts_over_the_cap_are_skipped_with_counts_and_refused_by_the_sampler(files, tmp_path, qwen25_tokenizer,
+                                                                                  capsys):
+    from sem_jax.assemble import cap_prompts
+    from sem_jax.data.questions import load_questions
+    from sem_jax.protocol import SEM
+    from sem_jax.sampling import Sampler, SamplingConfig, build_stop_automaton
+    tok = qwen25_tokenizer
+    short = Example("s", "Capital of Italy?", ("Rome",), "mmlu", False)
+    passage = " ".join(["The reading passage goes on."] * 100)  # as MMLU's auxiliary_train RACE rows
+    long = Example("l", passage + " What is it about?", ("x",), "mmlu", False)
+    other = Example("m", "Who founded X?", ("Ada",), "musique", True)
+    n = lambda e: len(SEM.encode_prompt(tok, e))
+    limit = n(short) + 20
+    assert n(long) > limit
+    kept = cap_prompts([short, long, other, long], SEM, SEM.system_prompt, tok, limit, "train.jsonl")
+    assert kept == [short, other]
+    assert "train.jsonl: skipped 2 of 4 questions whose prompt is over data.max_prompt_tokens" in capsys.readouterr().out
+    # The sampler refuses a longer prompt instead of compiling a bucket the fit check never saw.
+    sampler = Sampler(ScriptedPolicy(np.zeros((2, 8), np.int32), len(tok)), build_stop_automaton(tok, SEM.stop_strings),
+                      SamplingConfig(max_new_tokens=4, greedy=True), max_prompt_tokens=limit)
+    with pytest.raises(ValueError, match=r"prompt 1 has \d+ tokens, over data.max_prompt_tokens"):
+        sampler.start([SEM.encode_prompt(tok, short), SEM.encode_prompt(tok, long)], 1, jax.random.key(0))
+
+    # prepare_data.py skips them before the mix, per source.
+    tok_dir = tmp_path / "tok"
+    tok.save_pretrained(str(tok_dir))
+    rows = [json.loads(x) for x in open(files["mmlu"])]
+    rows.append({"question": passage, "subject": "race", "choices": ["a", "b", "c", "d"], "answer": 2})
+    mmlu = _jsonl(tmp_path / "mmlu_aux.jsonl", rows)
+    out = tmp_path / "mix"
+    proc = subprocess.run([sys.executable, "scripts/prepare_data.py", "--musique", files["musique"], "--mmlu", mmlu,
+                           "--out", str(out), "--eval", "1", "--tokenizer", str(tok_dir), "--max_prompt_tokens", "200"],
+                          capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr
+    assert "mmlu_aux.jsonl: skipped 1 of 3 questions whose prompt is over data.max_prompt_tokens=200 (mmlu 1)" \
+        in proc.stdout
+    rows = load_questions(str(out / "sem_train.jsonl")) + load_questions(str(out / "sem_eval.jsonl"))
+    assert len(rows) == 4 and not any("reading passage" in e.question for e in rows)

@@ -138,7 +138,8 @@ def _script(tok, prompt, parts, group_size):
 
 def test_scripted_rollout_two_searches(qwen25_tokenizer, retriever):
     tok = qwen25_tokenizer
-    cfg = RolloutConfig(group_size=3, max_searches=2, top_k=2, max_tokens_per_passage=32)
+    cfg = RolloutConfig(group_size=3, max_searches=2, top_k=2, max_tokens_per_passage=32, max_block_tokens=512,
+                        max_note_tokens=64)
     enc = lambda s: tok.encode(s, add_special_tokens=False)
     # What the retriever will answer, tokenized as the rollout must insert it.
     b1 = enc(format_results(retriever.search(["capital of France"], 2)[0], tok, 32))
@@ -181,11 +182,33 @@ def test_search_limit_note_then_stop(qwen25_tokenizer, retriever):
     sampler = Sampler(ScriptedPolicy(script, len(tok)), build_stop_automaton(tok, SEM.stop_strings),
                       SamplingConfig(max_new_tokens=200, greedy=True, eos_ids=(IM_END,)))
     trajs, _ = rollout(sampler, tok, retriever, [prompt], jax.random.key(0),
-                       RolloutConfig(group_size=2, max_searches=1, top_k=1, max_tokens_per_passage=96))
+                       RolloutConfig(group_size=2, max_searches=1, top_k=1, max_tokens_per_passage=96,
+                                     max_block_tokens=512, max_note_tokens=64))
     for t in trajs:
         assert t.end_reason == "search_limit" and t.num_searches == 1
         assert t.response_ids[t.loss_mask == 0].tolist() == b1 + note
         assert t.text.endswith("<search>third</search>")
+
+
+def test_sampled_budget_apart_from_the_room_for_inserted_tokens(qwen25_tokenizer, retriever):
+    """max_new_tokens counts sampled tokens only: a search's block goes into room of its own, and a
+    block over max_block_tokens is cut (and counted)."""
+    tok = qwen25_tokenizer
+    enc = lambda s: tok.encode(s, add_special_tokens=False)
+    t1 = enc("<search>Paris</search>")
+    block = enc(format_results(retriever.search(["Paris"], 3)[0], tok, 96))
+    prompt = enc("Q")
+    new = len(t1) + 7
+    script, _ = _script(tok, prompt, [t1, block, enc("x" * 50)], 1)
+    cfg = lambda cut: RolloutConfig(group_size=1, max_searches=2, top_k=3, max_tokens_per_passage=96,
+                                    max_block_tokens=cut, max_note_tokens=64)
+    for room, cut in ((len(block), len(block)), (len(block), 10)):
+        sampler = Sampler(ScriptedPolicy(script, len(tok)), build_stop_automaton(tok, SEM.stop_strings),
+                          SamplingConfig(max_new_tokens=new, greedy=True, max_inserted_tokens=room))
+        (t,), stats = rollout(sampler, tok, retriever, [prompt], jax.random.key(0), cfg(cut))
+        assert t.end_reason == "length" and int(t.loss_mask.sum()) == new  # every sampled token it may have
+        assert t.response_ids[t.loss_mask == 0].tolist() == block[:cut]
+        assert stats.cut_blocks == (cut < len(block))
 
 
 def test_budget_counts_inserted_tokens(qwen25_tokenizer, retriever):
@@ -198,6 +221,40 @@ def test_budget_counts_inserted_tokens(qwen25_tokenizer, retriever):
     sampler = Sampler(ScriptedPolicy(script, len(tok)), build_stop_automaton(tok, SEM.stop_strings),
                       SamplingConfig(max_new_tokens=budget, greedy=True))
     (t,), _ = rollout(sampler, tok, retriever, [prompt], jax.random.key(0),
-                      RolloutConfig(group_size=1, max_searches=2, top_k=3, max_tokens_per_passage=96))
+                      RolloutConfig(group_size=1, max_searches=2, top_k=3, max_tokens_per_passage=96,
+                                    max_block_tokens=512, max_note_tokens=64))
     assert t.end_reason == "length" and len(t.response_ids) == budget
     assert t.loss_mask.tolist() == [1] * len(t1) + [0] * 5
+
+
+def test_research_protocol_rollout_inserts_researchs_blocks_and_scores_the_boxed_answer(qwen25_tokenizer, retriever):
+    """The whole loop under protocol=research: its prompt, its ` <result>` blocks, its parser and
+    reward on what was sampled."""
+    from sem_jax.data.example import Example
+    from sem_jax.eval_lib import score_trajectory
+    from sem_jax.protocol import RESEARCH
+    from sem_jax.sem.reward import RewardParams, get_reward
+
+    tok = qwen25_tokenizer
+    enc = lambda s: tok.encode(s, add_special_tokens=False)
+    ex = Example("q", "What is the capital of France?", ("Paris",), "musique", True)
+    prompt = RESEARCH.encode_prompt(tok, ex)
+    assert tok.decode(prompt).startswith("<|im_start|>system\nYou are a helpful assistant that can solve")
+    t1 = "<think> I should look it up. </think> <search> capital of France </search>"
+    block = enc(RESEARCH.result_block("capital of France", retriever.search(["capital of France"], 2)[0], tok, 64))
+    t2 = " <think> It is Paris. </think> <answer> The final answer is \\[ \\boxed{Paris} \\] </answer>"
+    script, _ = _script(tok, prompt, [t1, block, t2, [IM_END]], 2)
+    sampler = Sampler(ScriptedPolicy(script, len(tok)), build_stop_automaton(tok, RESEARCH.stop_strings),
+                      SamplingConfig(max_new_tokens=100, greedy=True, eos_ids=(IM_END,), max_inserted_tokens=200))
+    cfg = RolloutConfig(group_size=2, max_searches=2, top_k=2, max_tokens_per_passage=64, max_block_tokens=200,
+                        max_note_tokens=64)
+    trajs, _ = rollout(sampler, tok, retriever, [prompt], jax.random.key(0), cfg, RESEARCH)
+    for t in trajs:
+        assert t.end_reason == "eos" and t.queries == ["capital of France"]
+        assert t.response_ids[t.loss_mask == 0].tolist() == block
+        assert ' <result>\n"Paris"\nParis is the capital' in t.text
+        parsed = RESEARCH.parse(t.text, t.end_reason == "eos")
+        assert parsed.valid and parsed.answer == "Paris"
+        assert get_reward(RESEARCH.reward)(parsed, ex, RewardParams()) == (1.0, "research_correct")
+        rec = score_trajectory(t, ex, RESEARCH)
+        assert rec["em"] == 1.0 and rec["valid"] and rec["searches"] == 1

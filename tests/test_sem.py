@@ -86,7 +86,7 @@ def test_parser_never_raises(pieces, noise):
             research_reward(p, ex, RewardParams())
 
 
-RP = RewardParams()  # 1.0, 0.5, 0.0, 0.1, 0.9, tau 0.8
+RP = RewardParams()  # 1.0, 0.5, 0.0, 0.1, 0.7, tau 0.8
 
 
 @pytest.mark.parametrize("text,reward,case", [
@@ -94,16 +94,70 @@ RP = RewardParams()  # 1.0, 0.5, 0.0, 0.1, 0.9, tau 0.8
     (DIRECT, 1.0, "direct_correct"),
     (DIRECT.replace("Paris", "Lyon"), 0.0, "direct_wrong"),
     (SEARCH.replace("<answer>Lyon", "<answer>Paris"), 0.5, "redundant_search"),
-    (SEARCH, 0.1 + 0.9 * 1.0, "search_after_wrong"),
+    (SEARCH, 0.1 + 0.7 * 1.0, "search_after_wrong"),
     (SEARCH.replace("<answer>Paris</answer>", "<answer>Marseille</answer>"), 0.1, "search_after_wrong"),
-    # F1("Paris France", "Paris") = 2/3 -> 0.1 + 0.9 * 2/3 = 0.7.
-    (SEARCH.replace("<answer>Paris</answer>", "<answer>Paris Texas</answer>"), 0.7, "search_after_wrong"),
+    # F1("Paris Texas", "Paris") = 2/3 -> 0.1 + 0.7 * 2/3.
+    (SEARCH.replace("<answer>Paris</answer>", "<answer>Paris Texas</answer>"), 0.1 + 0.7 * 2 / 3,
+     "search_after_wrong"),
     # First answer F1 2/3 < tau 0.8 counts as wrong.
     (DIRECT.replace("Paris", "Paris Texas"), 0.0, "direct_wrong"),
 ])
 def test_sem_reward_table(text, reward, case):
     r, c = sem_reward(parse_response(text), QA, RP)
     assert c == case and r == pytest.approx(reward)
+
+
+def _trajectory(first: str, searches: int = 0, final: str | None = None) -> str:
+    """A response answering `first`, then `searches` searches (each read), then `final`."""
+    text = f"<think>t</think><answer>{first}</answer>"
+    text += "".join(f"<search>q{i}</search><result>r</result><think>t</think>" for i in range(searches))
+    return text + (f"<answer>{final}</answer>" if searches else "")
+
+
+def test_sem_reward_order_over_every_outcome():
+    """The order the default constants must keep (the paper's constants are not public): a correct
+    direct answer earns more than anything that searched, by at least 0.1, so an "unsure" first
+    answer never buys a free search; searching and getting it right beats searching and getting it
+    wrong, which is no worse than a wrong direct answer; invalid is 0."""
+    outcomes = {}
+    for first in ("Paris", "Lyon", "unsure"):           # correct, wrong, a throwaway
+        outcomes[(first, 0, None)] = _trajectory(first)
+        for n in (1, 2):
+            for final in ("Paris", "Paris Texas", "Marseille"):  # correct, partly (F1 2/3), wrong
+                outcomes[(first, n, final)] = _trajectory(first, n, final)
+    rewards = {k: sem_reward(parse_response(t), QA, RP)[0] for k, t in outcomes.items()}
+    for k, t in outcomes.items():  # the same responses with text before the first tag: invalid
+        assert parse_response(t).valid and sem_reward(parse_response("Sure! " + t), QA, RP) == (0.0, "invalid"), k
+    direct_correct = rewards[("Paris", 0, None)]
+    searched = {k: r for k, r in rewards.items() if k[1] > 0}
+    assert direct_correct >= max(searched.values()) + 0.1
+    for first in ("Lyon", "unsure"):
+        direct_wrong = rewards[(first, 0, None)]
+        for n in (1, 2):
+            right, partly, wrong = (rewards[(first, n, f)] for f in ("Paris", "Paris Texas", "Marseille"))
+            assert right > partly > wrong >= direct_wrong, (first, n)
+    assert all(r < direct_correct for k, r in searched.items() if k[0] == "Paris")  # redundant searches
+
+
+def test_reward_params_that_make_a_search_free_are_refused():
+    from sem_jax.assemble import settings
+    from sem_jax.config import base_config
+    from sem_jax.sem.reward import check_sem_params
+
+    check_sem_params(RP)
+    for bad in (dict(r_search_scale=0.9), dict(search_penalty=0.0), dict(r_search_base=1.0, r_search_scale=0.0)):
+        with pytest.raises(ValueError, match="allow_free_search"):
+            check_sem_params(RewardParams(**bad))
+        check_sem_params(RewardParams(**bad, allow_free_search=True))  # an ablation, said so
+    c = base_config()
+    c.reward_params.r_search_scale = 0.9
+    with pytest.raises(ValueError, match="can earn 1 .*not less than r_direct=1"):
+        settings(c)
+    c.reward_params.allow_free_search = True
+    settings(c)
+    c.reward = "research"  # ReSearch's reward charges nothing for a search: no check
+    c.reward_params.allow_free_search = False
+    settings(c)
 
 
 def test_sem_reward_constants_are_config():
@@ -127,3 +181,55 @@ def test_sem_reward_constants_are_config():
 def test_research_reward_table(text, reward, case):
     r, c = research_reward(parse_response(text), QA, RP)
     assert c == case and r == pytest.approx(reward)
+
+
+# -- ReSearch's protocol, as its code reads responses -------------------------------------------
+
+RS_ANSWER = " <answer> The final answer is \\[ \\boxed{Paris} \\] </answer>"
+RS_SEARCH = " <search> capital of France </search> <result>\n\"Paris\"\nParis is the capital.\n</result>"
+
+
+@pytest.mark.parametrize("text,finished,valid,answer,searches,reason", [
+    ("<think> easy </think>" + RS_ANSWER, True, True, "Paris", 0, ""),
+    ("<think> a </think>" + RS_SEARCH + " <think> b </think>" + RS_SEARCH + " <think> c </think>" + RS_ANSWER,
+     True, True, "Paris", 2, ""),
+    # Search after the answer: ReSearch's format check accepts it; the one <answer> counts.
+    ("<think> a </think>" + RS_ANSWER + RS_SEARCH, True, True, "Paris", 1, ""),
+    ("<think> a </think> <answer> Paris </answer>", True, False, None, 0, "boxed"),       # unboxed
+    ("<think> a </think>" + RS_ANSWER, False, False, None, 0, "no EOS"),                   # cut by the budget
+    ("<think> a </think>" + RS_ANSWER + RS_ANSWER, True, False, None, 0, "<answer>"),     # two answers
+    ("<think> a" + RS_ANSWER, True, False, None, 0, "not paired"),
+    (RS_ANSWER, True, False, None, 0, "not found"),                                         # no thinking
+    ("<think> a </think> <search> q </search>" + RS_ANSWER, True, False, None, 1, "incomplete"),
+    ("<think> a </think> <answer> \\boxed{Paris </answer>", True, False, None, 0, "\\boxed"),
+    ("<think> a </think> <answer> \\boxed{New {York} City} </answer>", True, True, "New {York} City", 0, ""),
+])
+def test_research_parser_table(text, finished, valid, answer, searches, reason):
+    from sem_jax.protocol.research import parse_response as research_parse
+    p = research_parse(text, finished)
+    assert p.valid == valid and p.answer == answer and p.num_searches == searches
+    assert reason in p.reason
+
+
+@pytest.mark.parametrize("text,finished,reward,case", [
+    ("<think> a </think>" + RS_SEARCH + " <think> b </think>" + RS_ANSWER, True, 1.0, "research_correct"),
+    ("<think> a </think>" + RS_ANSWER.replace("Paris", "Paris Texas"), True, 2 / 3, "research_correct"),
+    ("<think> a </think>" + RS_ANSWER.replace("Paris", "Lyon"), True, 0.1, "research_wrong"),
+    ("<think> a </think>" + RS_ANSWER, False, 0.0, "invalid"),                      # no EOS
+    ("<think> a </think> <answer> Paris </answer>", True, 0.0, "invalid"),          # unboxed
+])
+def test_research_protocol_reward_table(text, finished, reward, case):
+    from sem_jax.protocol import RESEARCH
+    r, c = research_reward(RESEARCH.parse(text, finished), QA, RP)
+    assert c == case and r == pytest.approx(reward)
+
+
+def test_research_result_blocks_are_researchs(qwen25_tokenizer):
+    from sem_jax.protocol import RESEARCH
+    from sem_jax.retrieval import Passage
+    hits = [Passage("a", "Paris", "Paris is the capital of France.", 2.0), Passage("b", "", "Untitled.", 1.0)]
+    assert RESEARCH.result_block("capital", hits, qwen25_tokenizer, 32) == \
+        ' <result>\n"Paris"\nParis is the capital of France.\n\nUntitled.\n</result>'
+    assert RESEARCH.result_block(" ", hits, qwen25_tokenizer, 32) == " <result>\nnothing to search\n</result>"
+    assert RESEARCH.parse_query("<think> a </think> <search> capital of France </search>") == "capital of France"
+    assert RESEARCH.stop_strings == ("</search>",) and RESEARCH.reward == "research"

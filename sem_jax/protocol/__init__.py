@@ -1,6 +1,7 @@
-"""Protocols: what the policy is told, how its responses are read, and what a search inserts,
-chosen together by name. SEM's answer-first protocol is `sem` (sem_jax/protocol/sem.py); a
-second one (ReSearch's, say) is another module beside it and another entry in PROTOCOLS."""
+"""Protocols: what the policy is told, how its responses are read, what a search inserts and
+which reward scores it, chosen together by name (`config.protocol`). SEM's answer-first
+protocol is `sem` (protocol/sem.py); ReSearch's, as its code runs it, is `research`
+(protocol/research.py)."""
 
 from __future__ import annotations
 
@@ -8,20 +9,21 @@ import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from sem_jax.protocol import sem
+from sem_jax.protocol import research, sem
 from sem_jax.retrieval.bm25 import Passage
 
 
 @dataclasses.dataclass(frozen=True)
 class Protocol:
     name: str
+    reward: str                               # the reward it trains with (sem_jax.sem.reward.REWARDS)
     system_prompt: str                        # the policy's instructions (config.system_prompt overrides)
     direct_system_prompt: str                 # the `direct` evaluation mode: no search offered
     stop_strings: tuple[str, ...]             # decoding pauses after these for the retriever
     limit_note: str                           # inserted once when a row searches past the limit
     chat_prompt: Callable[..., str]           # (example, system_prompt) -> prompt text
     rag_prompt: Callable[..., str]            # (example, results text) -> naive-RAG prompt text
-    parse: Callable[[str], Any]               # response text -> Parsed (never raises)
+    parse: Callable[..., Any]                 # (response text, ended with EOS) -> Parsed; never raises
     parse_query: Callable[[str], str]         # paused text -> its last query
     result_block: Callable[[str, Sequence[Passage], Any, int], str]  # (query, passages, tokenizer, budget)
     format_results: Callable[[Sequence[Passage], Any, int], str]     # (passages, tokenizer, budget)
@@ -31,11 +33,17 @@ class Protocol:
         return tokenizer.encode(text, add_special_tokens=False)
 
 
-SEM = Protocol(name="sem", system_prompt=sem.SYSTEM_PROMPT, direct_system_prompt=sem.DIRECT_SYSTEM_PROMPT,
-               stop_strings=(sem.SEARCH_CLOSE,), limit_note=sem.LIMIT_NOTE, chat_prompt=sem.chat_prompt,
-               rag_prompt=sem.rag_prompt, parse=sem.parse_response, parse_query=sem.parse_query,
-               result_block=sem.result_block, format_results=sem.format_results)
-PROTOCOLS = {"sem": SEM}
+def _protocol(name: str, reward: str, module) -> Protocol:
+    return Protocol(name=name, reward=reward, system_prompt=module.SYSTEM_PROMPT,
+                    direct_system_prompt=module.DIRECT_SYSTEM_PROMPT, stop_strings=(module.SEARCH_CLOSE,),
+                    limit_note=module.LIMIT_NOTE, chat_prompt=module.chat_prompt, rag_prompt=module.rag_prompt,
+                    parse=module.parse_response, parse_query=module.parse_query, result_block=module.result_block,
+                    format_results=module.format_results)
+
+
+SEM = _protocol("sem", "sem", sem)
+RESEARCH = _protocol("research", "research", research)
+PROTOCOLS = {"sem": SEM, "research": RESEARCH}
 
 
 def get_protocol(name: str) -> Protocol:
@@ -44,4 +52,4 @@ def get_protocol(name: str) -> Protocol:
     return PROTOCOLS[name]
 
 
-__all__ = ["PROTOCOLS", "Protocol", "SEM", "get_protocol"]
+__all__ = ["PROTOCOLS", "Protocol", "RESEARCH", "SEM", "get_protocol"]

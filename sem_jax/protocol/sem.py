@@ -14,6 +14,7 @@ import re
 from collections.abc import Sequence
 
 from sem_jax.data.example import Example
+from sem_jax.protocol import chat
 from sem_jax.retrieval.bm25 import Passage
 
 TAGS = ("think", "answer", "search", "result")
@@ -38,24 +39,14 @@ NO_QUERY = "No query: write the query between <search> and </search>."
 
 # -- prompts ------------------------------------------------------------------------------
 
-def question_text(ex: Example) -> str:
-    if ex.kind == "mc" and ex.options:
-        letters = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"
-        opts = "\n".join(f"{letters[i]}. {o}" for i, o in enumerate(ex.options))
-        return f"{ex.question}\n{opts}\nAnswer with the option letter."
-    return ex.question
-
-
 def chat_prompt(ex: Example, system_prompt: str = SYSTEM_PROMPT) -> str:
     """The prompt text up to the assistant turn, in Qwen's chat format."""
-    return (f"<|im_start|>system\n{system_prompt}<|im_end|>\n"
-            f"<|im_start|>user\n{question_text(ex)}<|im_end|>\n<|im_start|>assistant\n")
+    return chat.chat_prompt(ex, system_prompt)
 
 
 def rag_prompt(ex: Example, results: str) -> str:
     """Naive RAG: the question's retrieved passages are given up front; no search offered."""
-    return (f"<|im_start|>system\n{DIRECT_SYSTEM_PROMPT}<|im_end|>\n"
-            f"<|im_start|>user\n{question_text(ex)}\n{results.strip()}<|im_end|>\n<|im_start|>assistant\n")
+    return chat.rag_chat_prompt(ex, DIRECT_SYSTEM_PROMPT, results)
 
 
 # -- what a search inserts ------------------------------------------------------------------
@@ -142,8 +133,9 @@ def _blocks(text: str) -> tuple[list[tuple[str, str]], str]:
     return blocks, ""
 
 
-def parse_response(text: str) -> Parsed:
-    """Response text -> structure. Never raises."""
+def parse_response(text: str, finished: bool = True) -> Parsed:
+    """Response text -> structure. Never raises. (`finished`, whether the response ended with
+    EOS, is not part of this grammar: a cut response rarely closes its last block.)"""
     try:
         return _parse(text)
     except Exception as e:  # noqa: BLE001 - the contract is: never raise

@@ -27,6 +27,8 @@ class RolloutConfig:
     max_searches: int              # searches answered per trajectory; then the protocol's limit note once
     top_k: int                     # passages per search
     max_tokens_per_passage: int
+    max_block_tokens: int          # one search's inserted block at most (cut beyond: counted)
+    max_note_tokens: int           # the limit note at most
 
 
 @dataclasses.dataclass
@@ -49,6 +51,7 @@ class RolloutStats:
     insert_s: float = 0.0
     pause_rounds: int = 0
     retriever_calls: int = 0
+    cut_blocks: int = 0            # result blocks longer than max_block_tokens (cut)
 
 
 def rollout(sampler: Sampler, tokenizer, retriever, prompts: Sequence[Sequence[int]], key: jax.Array,
@@ -69,12 +72,12 @@ def rollout(sampler: Sampler, tokenizer, retriever, prompts: Sequence[Sequence[i
         per += 1
     state = sampler.start(list(prompts) + [prompts[-1]] * (per - len(prompts)), g, key)
     b = per * g
-    budget = sampler.config.max_new_tokens
+    room = sampler.config.response_tokens  # sampled and inserted
     searches = np.zeros(b, int)
     refused = np.zeros(b, bool)
     ended_by_limit = np.zeros(b, bool)
     queries: list[list[str]] = [[] for _ in range(b)]
-    note_ids = tokenizer.encode(protocol.limit_note, add_special_tokens=False)
+    note_ids = tokenizer.encode(protocol.limit_note, add_special_tokens=False)[:cfg.max_note_tokens]
     while True:
         t0 = time.perf_counter()
         state = sampler.decode(state)
@@ -105,12 +108,14 @@ def rollout(sampler: Sampler, tokenizer, retriever, prompts: Sequence[Sequence[i
             stats.retriever_calls += 1
             for row, q, res in zip(ask, qs, results):
                 text = protocol.result_block(q, res, tokenizer, cfg.max_tokens_per_passage)
-                blocks[row] = tokenizer.encode(text, add_special_tokens=False)
+                ids = tokenizer.encode(text, add_special_tokens=False)
+                stats.cut_blocks += len(ids) > cfg.max_block_tokens
+                blocks[row] = ids[:cfg.max_block_tokens]
                 searches[row] += 1
                 queries[row].append(q)
             stats.retrieval_s += time.perf_counter() - t0
-        for row in range(b):  # the budget counts inserted tokens too
-            blocks[row] = blocks[row][:max(0, budget - int(lens[row]))]
+        for row in range(b):  # the buffer holds every search's block when max_inserted_tokens is sized so
+            blocks[row] = blocks[row][:max(0, room - int(lens[row]))]
         t0 = time.perf_counter()
         state = sampler.insert(state, blocks, end)
         jax.block_until_ready(state.resp_len)  # time the append-prefill, not its dispatch (decode syncs next anyway)

@@ -33,16 +33,24 @@ def bucket_length(n: int, minimum: int = 16) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class SamplingConfig:
-    max_new_tokens: int  # response budget: sampled plus inserted tokens
+    max_new_tokens: int  # sampled tokens per response
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0  # 0: no top-k
     greedy: bool = False
     eos_ids: tuple[int, ...] = ()
+    max_inserted_tokens: int = 0  # room for inserted (retrieved) tokens beside the sampled ones
+
+    @property
+    def response_tokens(self) -> int:
+        """The response buffer (and the cache beyond the prompt): sampled plus inserted tokens."""
+        return self.max_new_tokens + self.max_inserted_tokens
 
     def __post_init__(self):
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.max_inserted_tokens < 0:
+            raise ValueError(f"max_inserted_tokens must be >= 0, got {self.max_inserted_tokens}")
         if not self.greedy and self.temperature <= 0:
             raise ValueError(f"temperature must be > 0 (or greedy=True), got {self.temperature}")
         if not 0 < self.top_p <= 1:
@@ -58,6 +66,7 @@ class SamplerState:
     resp_logprob: jax.Array  # [B, R] float32: sampler logprob (0 on inserted)
     resp_sampled: jax.Array  # [B, R] bool: True on sampled tokens
     resp_len: jax.Array    # [B] int32
+    num_sampled: jax.Array  # [B] int32: sampled tokens so far (a row ends at max_new_tokens)
     stop_state: jax.Array  # [B] int32: automaton state
     paused: jax.Array      # [B] bool: wrote a stop string, waits for the host
     eos: jax.Array         # [B] bool: ended by an EOS token
@@ -177,7 +186,7 @@ def _prefill(graphdef, params, layers, prompts, lengths, key, *, group_size: int
         cache=cache, logits=jnp.repeat(last, group_size, axis=0),
         resp=jnp.zeros((b, resp_len), jnp.int32), resp_logprob=jnp.zeros((b, resp_len), jnp.float32),
         resp_sampled=jnp.zeros((b, resp_len), bool), resp_len=jnp.zeros((b,), jnp.int32),
-        stop_state=jnp.zeros((b,), jnp.int32), paused=jnp.zeros((b,), bool),
+        num_sampled=jnp.zeros((b,), jnp.int32), stop_state=jnp.zeros((b,), jnp.int32), paused=jnp.zeros((b,), bool),
         eos=jnp.zeros((b,), bool), done=jnp.zeros((b,), bool), key=key)
     # Rows stay split over the batch axes as the prompts were (row = prompt * G + g keeps a
     # process's groups on its own devices); decode and insert inherit this layout.
@@ -220,16 +229,17 @@ def _decode(graphdef, params, layers, state: SamplerState, stop_table, eos_ids, 
         resp_logprob = s.resp_logprob.at[rows, at].set(logprob, mode="drop")
         resp_sampled = s.resp_sampled.at[rows, at].set(True, mode="drop")
         resp_len = s.resp_len + active
+        num_sampled = s.num_sampled + active
         code = stop_table[tok, s.stop_state]
         stop_state = jnp.where(active, code >> 1, s.stop_state)
         eos = active & jnp.isin(tok, eos_ids)
-        done = s.done | eos | (active & (resp_len >= s.resp.shape[1]))
+        done = s.done | eos | (active & ((num_sampled >= cfg.max_new_tokens) | (resp_len >= s.resp.shape[1])))
         paused = s.paused | (active & ~done & ((code & 1) == 1))
         logits, cache = model.extend(tok[:, None], s.cache, active.astype(jnp.int32),
                                      window=None if buffered else window, layers=layers)
         return step + 1, SamplerState(
             cache=cache, logits=jnp.where(active[:, None], logits[:, 0], s.logits), resp=resp,
-            resp_logprob=resp_logprob, resp_sampled=resp_sampled, resp_len=resp_len,
+            resp_logprob=resp_logprob, resp_sampled=resp_sampled, resp_len=resp_len, num_sampled=num_sampled,
             stop_state=stop_state, paused=paused, eos=s.eos | eos, done=done, key=key)
 
     steps, state = jax.lax.while_loop(cond, body, (jnp.int32(0), state))
@@ -300,8 +310,10 @@ class Sampler:
 
     def __init__(self, model: Qwen2, stop: StopAutomaton, cfg: SamplingConfig,
                  max_steps_per_call: int | None = None, mesh: jax.sharding.Mesh | None = None,
-                 calls: hosts.CallLog | None = None, window_steps: int = 32, per_layer: bool | None = None):
+                 calls: hosts.CallLog | None = None, window_steps: int = 32, per_layer: bool | None = None,
+                 max_prompt_tokens: int | None = None):
         self.graphdef, self.params = nnx.split(model)
+        self.max_prompt_tokens = max_prompt_tokens  # longer prompts are refused, not compiled for
         self.per_layer = per_layer_default() if per_layer is None else per_layer
         self.layers = layer_list(self.graphdef, self.params) if self.per_layer else None
         self.config = cfg
@@ -348,6 +360,12 @@ class Sampler:
         """Prefill each prompt once and copy it to `group_size` rows (row = prompt * G + g)."""
         if not prompts or any(len(p) == 0 for p in prompts):
             raise ValueError("every prompt needs at least one token")
+        if self.max_prompt_tokens is not None:
+            over = [(i, len(p)) for i, p in enumerate(prompts) if len(p) > self.max_prompt_tokens]
+            if over:
+                raise ValueError(f"prompt {over[0][0]} has {over[0][1]} tokens, over data.max_prompt_tokens="
+                                 f"{self.max_prompt_tokens} ({len(over)} of {len(prompts)} prompts are): "
+                                 "skip such questions at load (assemble.cap_prompts) or raise the cap")
         width = hosts.agree_max(bucket_length(max(len(p) for p in prompts)))
         arr = np.zeros((len(prompts), width), np.int32)
         for i, p in enumerate(prompts):
@@ -356,8 +374,8 @@ class Sampler:
         key = self._replicated(key)
         self.calls.record("prefill", arr)
         return prefill_step(self.graphdef, self.params, self.layers, self._rows(arr), self._rows(lengths), key,
-                            group_size=group_size, cache_len=width + self.config.max_new_tokens,
-                            resp_len=self.config.max_new_tokens, cache_dtype=self.cache_dtype)
+                            group_size=group_size, cache_len=width + self.config.response_tokens,
+                            resp_len=self.config.response_tokens, cache_dtype=self.cache_dtype)
 
     def _window(self, state: SamplerState, need: int) -> int:
         """Cache slots attention reads when rows hold up to `need` (a bucket, at most all)."""

@@ -1,0 +1,25 @@
+"""Qwen's chat format, shared by every protocol."""
+
+from __future__ import annotations
+
+from sem_jax.data.example import Example
+
+
+def question_text(ex: Example) -> str:
+    if ex.kind == "mc" and ex.options:
+        letters = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"
+        opts = "\n".join(f"{letters[i]}. {o}" for i, o in enumerate(ex.options))
+        return f"{ex.question}\n{opts}\nAnswer with the option letter."
+    return ex.question
+
+
+def chat_prompt(ex: Example, system_prompt: str) -> str:
+    """The prompt text up to the assistant turn, in Qwen's chat format."""
+    return (f"<|im_start|>system\n{system_prompt}<|im_end|>\n"
+            f"<|im_start|>user\n{question_text(ex)}<|im_end|>\n<|im_start|>assistant\n")
+
+
+def rag_chat_prompt(ex: Example, system_prompt: str, results: str) -> str:
+    """Naive RAG: the question's retrieved passages follow it in the user turn."""
+    return (f"<|im_start|>system\n{system_prompt}<|im_end|>\n"
+            f"<|im_start|>user\n{question_text(ex)}\n{results.strip()}<|im_end|>\n<|im_start|>assistant\n")
