@@ -9,7 +9,7 @@ import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from sem_jax.protocol import research, sem
+from sem_jax.protocol import chat, research, sem
 from sem_jax.retrieval.bm25 import Passage
 
 
@@ -21,23 +21,25 @@ class Protocol:
     direct_system_prompt: str                 # the `direct` evaluation mode: no search offered
     stop_strings: tuple[str, ...]             # decoding pauses after these for the retriever
     limit_note: str                           # inserted once when a row searches past the limit
-    chat_prompt: Callable[..., str]           # (example, system_prompt) -> prompt text
-    rag_prompt: Callable[..., str]            # (example, results text) -> naive-RAG prompt text
     parse: Callable[..., Any]                 # (response text, ended with EOS) -> Parsed; never raises
     parse_query: Callable[[str], str]         # paused text -> its last query
     result_block: Callable[[str, Sequence[Passage], Any, int], str]  # (query, passages, tokenizer, budget)
     format_results: Callable[[Sequence[Passage], Any, int], str]     # (passages, tokenizer, budget)
 
     def encode_prompt(self, tokenizer, ex, system_prompt: str | None = None) -> list[int]:
-        text = self.chat_prompt(ex, self.system_prompt if system_prompt is None else system_prompt)
+        """The chat prompt's ids (Qwen's chat format) with `system_prompt` (default: the protocol's)."""
+        text = chat.chat_prompt(ex, self.system_prompt if system_prompt is None else system_prompt)
         return tokenizer.encode(text, add_special_tokens=False)
+
+    def rag_prompt(self, ex, results: str) -> str:
+        """Naive RAG: the question's retrieved passages in the prompt, the direct instructions."""
+        return chat.rag_chat_prompt(ex, self.direct_system_prompt, results)
 
 
 def _protocol(name: str, reward: str, module) -> Protocol:
     return Protocol(name=name, reward=reward, system_prompt=module.SYSTEM_PROMPT,
                     direct_system_prompt=module.DIRECT_SYSTEM_PROMPT, stop_strings=(module.SEARCH_CLOSE,),
-                    limit_note=module.LIMIT_NOTE, chat_prompt=module.chat_prompt, rag_prompt=module.rag_prompt,
-                    parse=module.parse_response, parse_query=module.parse_query, result_block=module.result_block,
+                    limit_note=module.LIMIT_NOTE, parse=module.parse_response, parse_query=module.parse_query, result_block=module.result_block,
                     format_results=module.format_results)
 
 

@@ -9,8 +9,6 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from sem_jax.data.example import Example
-from sem_jax.protocol import chat
 from sem_jax.protocol.sem import parse_query  # the same tags: the last <search>...</search>
 from sem_jax.retrieval.bm25 import Passage
 
@@ -36,14 +34,6 @@ DIRECT_SYSTEM_PROMPT = (
 )
 NOTHING_TO_SEARCH = "nothing to search"  # ReSearch's block for a blank query
 LIMIT_NOTE = " <result>\nSearch limit reached: answer with what you know.\n</result>"
-
-
-def chat_prompt(ex: Example, system_prompt: str = SYSTEM_PROMPT) -> str:
-    return chat.chat_prompt(ex, system_prompt)
-
-
-def rag_prompt(ex: Example, results: str) -> str:
-    return chat.rag_chat_prompt(ex, DIRECT_SYSTEM_PROMPT, results)
 
 
 def result_text(body: str) -> str:
@@ -145,5 +135,5 @@ def parse_response(text: str, finished: bool = True) -> Parsed:
         return Parsed(False, f"parser error: {type(e).__name__}")
 
 
-__all__ = ["DIRECT_SYSTEM_PROMPT", "LIMIT_NOTE", "Parsed", "SEARCH_CLOSE", "SYSTEM_PROMPT", "chat_prompt",
-           "format_results", "parse_query", "parse_response", "rag_prompt", "result_block"]
+__all__ = ["DIRECT_SYSTEM_PROMPT", "LIMIT_NOTE", "Parsed", "SEARCH_CLOSE", "SYSTEM_PROMPT", "format_results",
+           "parse_query", "parse_response", "result_block"]

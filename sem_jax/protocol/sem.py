@@ -13,8 +13,6 @@ import dataclasses
 import re
 from collections.abc import Sequence
 
-from sem_jax.data.example import Example
-from sem_jax.protocol import chat
 from sem_jax.retrieval.bm25 import Passage
 
 TAGS = ("think", "answer", "search", "result")
@@ -35,18 +33,6 @@ DIRECT_SYSTEM_PROMPT = (
 LIMIT_NOTE = "\n<result>\nSearch limit reached: answer with what you know.\n</result>\n"
 NO_RESULTS = "No results found."
 NO_QUERY = "No query: write the query between <search> and </search>."
-
-
-# -- prompts ------------------------------------------------------------------------------
-
-def chat_prompt(ex: Example, system_prompt: str = SYSTEM_PROMPT) -> str:
-    """The prompt text up to the assistant turn, in Qwen's chat format."""
-    return chat.chat_prompt(ex, system_prompt)
-
-
-def rag_prompt(ex: Example, results: str) -> str:
-    """Naive RAG: the question's retrieved passages are given up front; no search offered."""
-    return chat.rag_chat_prompt(ex, DIRECT_SYSTEM_PROMPT, results)
 
 
 # -- what a search inserts ------------------------------------------------------------------
