@@ -39,8 +39,8 @@ class Protocol:
 def _protocol(name: str, reward: str, module) -> Protocol:
     return Protocol(name=name, reward=reward, system_prompt=module.SYSTEM_PROMPT,
                     direct_system_prompt=module.DIRECT_SYSTEM_PROMPT, stop_strings=(module.SEARCH_CLOSE,),
-                    limit_note=module.LIMIT_NOTE, parse=module.parse_response, parse_query=module.parse_query, result_block=module.result_block,
-                    format_results=module.format_results)
+                    limit_note=module.LIMIT_NOTE, parse=module.parse_response, parse_query=module.parse_query,
+                    result_block=module.result_block, format_results=module.format_results)
 
 
 SEM = _protocol("sem", "sem", sem)

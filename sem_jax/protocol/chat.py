@@ -1,4 +1,4 @@
-"""Qwen's chat format, shared by every protocol."""
+"""Qwen's chat format and passage cutting, shared by every protocol."""
 
 from __future__ import annotations
 
@@ -17,6 +17,14 @@ def chat_prompt(ex: Example, system_prompt: str) -> str:
     """The prompt text up to the assistant turn, in Qwen's chat format."""
     return (f"<|im_start|>system\n{system_prompt}<|im_end|>\n"
             f"<|im_start|>user\n{question_text(ex)}<|im_end|>\n<|im_start|>assistant\n")
+
+
+def cut_to_tokens(text: str, tokenizer, max_tokens: int) -> str:
+    """`text` cut to `max_tokens` tokens (then marked " ..."), as a passage is before it is inserted."""
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    if len(ids) <= max_tokens:
+        return text
+    return tokenizer.decode(ids[:max_tokens]).rstrip() + " ..."
 
 
 def rag_chat_prompt(ex: Example, system_prompt: str, results: str) -> str:

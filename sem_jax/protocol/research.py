@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
+from sem_jax.protocol import chat
 from sem_jax.protocol.sem import parse_query  # the same tags: the last <search>...</search>
 from sem_jax.retrieval.bm25 import Passage
 
@@ -45,10 +46,7 @@ def format_results(passages: Sequence[Passage], tokenizer, max_tokens_per_passag
     to a token budget."""
     parts = []
     for p in passages:
-        text = p.text
-        ids = tokenizer.encode(text, add_special_tokens=False)
-        if len(ids) > max_tokens_per_passage:
-            text = tokenizer.decode(ids[:max_tokens_per_passage]).rstrip() + " ..."
+        text = chat.cut_to_tokens(p.text, tokenizer, max_tokens_per_passage)
         parts.append(f'"{p.title}"\n{text}' if p.title else text)
     return result_text("\n\n".join(parts) if parts else "No results found.")
 

@@ -13,6 +13,7 @@ import dataclasses
 import re
 from collections.abc import Sequence
 
+from sem_jax.protocol import chat
 from sem_jax.retrieval.bm25 import Passage
 
 TAGS = ("think", "answer", "search", "result")
@@ -53,10 +54,7 @@ def format_results(passages: Sequence[Passage], tokenizer, max_tokens_per_passag
     """`\\n<result>\\n(1) Title: text\\n...\\n</result>\\n`, each passage's text cut to a token budget."""
     lines = []
     for i, p in enumerate(passages, start=1):
-        text = p.text
-        ids = tokenizer.encode(text, add_special_tokens=False)
-        if len(ids) > max_tokens_per_passage:
-            text = tokenizer.decode(ids[:max_tokens_per_passage]).rstrip() + " ..."
+        text = chat.cut_to_tokens(p.text, tokenizer, max_tokens_per_passage)
         lines.append(f"({i}) {p.title}: {text}" if p.title else f"({i}) {text}")
     return result_text("\n".join(lines) if lines else NO_RESULTS)
 
