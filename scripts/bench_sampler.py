@@ -2,11 +2,12 @@
 
     python scripts/bench_sampler.py [--out bench_sampler.json] [--repeats 3]
     JAX_PLATFORMS=cuda python scripts/bench_sampler.py --shapes qwen2.5-1.5b --dtype bfloat16
+    python scripts/bench_sampler.py --model ~/.cache/sem_jax/qwen2.5-coder-0.5b-instruct
 
 On a GPU backend both sides run on the GPU (torch on cuda).
 
-Same random-weight Qwen2 in both (sem_jax loads the checkpoint transformers wrote),
-same prompts, greedy and sampled, every row generating exactly the same number of
+Same random-weight Qwen2 in both (sem_jax loads the checkpoint transformers wrote), or with
+--model a real checkpoint's weights at the qwen2.5-0.5b workload, same prompts, greedy and sampled, every row generating exactly the same number of
 tokens (no EOS). Compile time is reported apart; timed runs follow a warm-up.
 Also greedy with per-layer weights and KV cache (the CPU default) against the stacked layers
 under a scan; the same greedy tokens under a 1024-token response budget, attention over a growing
@@ -24,6 +25,7 @@ import json
 import os
 import platform
 import re
+import resource
 import statistics
 import sys
 import tempfile
@@ -140,6 +142,14 @@ def matmul_floor(spec, repeats, dtype) -> float:
     return min(times)
 
 
+def real_spec(path: str) -> dict:
+    """The qwen2.5-0.5b workload on the checkpoint at `path`."""
+    with open(os.path.join(path, "config.json")) as fh:
+        hf = json.load(fh)
+    keys = SHAPES["qwen2.5-0.5b"]["cfg"]
+    return dict(SHAPES["qwen2.5-0.5b"], cfg={k: hf[k] for k in keys}, path=path)
+
+
 def bench_shape(name, spec, repeats, dtype, save_dir=None):
     import torch
     import transformers
@@ -149,11 +159,16 @@ def bench_shape(name, spec, repeats, dtype, save_dir=None):
     from sem_jax.sampling import RolloutConfig, Sampler, SamplingConfig, rollout
     from sem_jax.sampling.stop import StopAutomaton
 
-    cfg = transformers.Qwen2Config(rope_theta=1e6, max_position_embeddings=4096, **spec["cfg"])
-    torch.manual_seed(0)
-    hf = transformers.Qwen2ForCausalLM(cfg).to(getattr(torch, dtype)).eval()
-    tmp = save_dir or tempfile.mkdtemp()
-    hf.save_pretrained(tmp)
+    if "path" in spec:  # real weights
+        tmp = spec["path"]
+        hf = transformers.AutoModelForCausalLM.from_pretrained(tmp, dtype=getattr(torch, dtype)).eval()
+        cfg = hf.config
+    else:
+        cfg = transformers.Qwen2Config(rope_theta=1e6, max_position_embeddings=4096, **spec["cfg"])
+        torch.manual_seed(0)
+        hf = transformers.Qwen2ForCausalLM(cfg).to(getattr(torch, dtype)).eval()
+        tmp = save_dir or tempfile.mkdtemp()
+        hf.save_pretrained(tmp)
     model = from_pretrained(tmp, dtype=dtype, compute_dtype=dtype)
     device = "cuda" if jax.default_backend() == "gpu" else "cpu"
     hf = hf.to(device)
@@ -278,6 +293,9 @@ def bench_shape(name, spec, repeats, dtype, save_dir=None):
           f"{results['two_pauses']['seconds']:.3f}s, overhead {overhead * 100:.1f}% (last run: decode "
           f"{results['two_pauses']['decode_s']:.3f}s, retrieval {results['two_pauses']['retrieval_s']:.3f}s, "
           f"append-prefill {results['two_pauses']['insert_s']:.3f}s)", flush=True)
+    # Both tools' weights live in this process: the peak holds both (and every sampler above).
+    rows["peak_rss_gib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20
+    print(f"[{name}] process peak memory {rows['peak_rss_gib']:.1f} GiB", flush=True)
     return rows
 
 
@@ -288,6 +306,7 @@ def main(argv=None) -> int:
     ap.add_argument("--shapes", default="tiny,qwen2.5-0.5b", help=f"comma-separated, of {sorted(SHAPES)}")
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="weights and compute, both sides")
     ap.add_argument("--save-model", help="keep the (last shape's) random-weight HF checkpoint in this directory")
+    ap.add_argument("--model", help="a local HF Qwen2 directory: its real weights instead of --shapes")
     args = ap.parse_args(argv)
     import torch
     torch.set_num_threads(os.cpu_count() or 1)
@@ -297,8 +316,10 @@ def main(argv=None) -> int:
                                jax=jax.__version__, torch=torch.__version__,
                                jax_devices=[str(d) for d in jax.devices()]),
                   results={})
-    for name in args.shapes.split(","):
-        report["results"][name] = bench_shape(name, SHAPES[name], args.repeats, args.dtype, args.save_model)
+    shapes = ({f"model:{os.path.basename(os.path.normpath(args.model))}": real_spec(args.model)} if args.model
+              else {name: SHAPES[name] for name in args.shapes.split(",")})
+    for name, spec in shapes.items():
+        report["results"][name] = bench_shape(name, spec, args.repeats, args.dtype, args.save_model)
     with open(args.out, "w") as fh:
         json.dump(report, fh, indent=2)
     print(f"wrote {args.out}")

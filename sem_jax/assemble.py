@@ -86,9 +86,12 @@ def settings(config: ConfigDict) -> Settings:
     if reward == "sem":
         check_sem_params(reward_params)
     block, inserted = inserted_tokens(config)
+    system_prompt = config.system_prompt or protocol.system_prompt
+    if config.prompt_example:
+        system_prompt += protocol.example
     return Settings(
         protocol=protocol,
-        system_prompt=config.system_prompt or protocol.system_prompt,
+        system_prompt=system_prompt,
         sampling=SamplingConfig(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p,
                                 top_k=r.top_k, max_inserted_tokens=inserted),
         rollout=RolloutConfig(group_size=r.group_size, max_searches=r.max_searches, top_k=config.retrieval.top_k,

@@ -22,6 +22,7 @@ def base_config() -> ConfigDict:
     c.run_dir = "runs/demo"  # checkpoints, TensorBoard events, metrics.jsonl, config.json
     c.protocol = "sem"                   # sem | research: prompts, parser, result blocks and reward together
     c.system_prompt = config_dict.placeholder(str)  # None: the protocol's (sem_jax/protocol/)
+    c.prompt_example = False             # append the protocol's worked example to the system prompt
 
     c.model = ConfigDict()
     c.model.path = config_dict.placeholder(str)        # local HF Qwen2 directory; None: random init (below)
@@ -94,7 +95,8 @@ def base_config() -> ConfigDict:
     c.train.total_steps = 10
     c.train.log_every = 1
     c.train.eval_every = 0               # 0: evaluate only at the end
-    c.train.eval_at_start = False        # evaluate the initial policy (step 0) before training
+    c.train.eval_at_start = True         # evaluate the initial policy (step 0) before training
+    c.train.min_start_valid = 0.25       # warn when fewer step-0 responses follow the protocol's format
     c.train.ckpt_every = 5
     c.train.keep_checkpoints = 3
     c.train.debug_hosts = False          # multi-process: check every step that all processes made the same device calls
@@ -126,9 +128,8 @@ def cpu_config() -> ConfigDict:
     c.optim.lr = 1e-4                    # higher rates broke the answer format within ~10 steps
     c.optim.schedule = "cosine"          # decays to 0 at the last step: held-out answers stay put once
                                          # the search decision is learnt
-    c.train.total_steps = 100
-    c.train.ckpt_every = 20
-    c.train.eval_at_start = True
+    c.train.total_steps = 150
+    c.train.ckpt_every = 25
     return c
 
 

@@ -4,7 +4,8 @@ ratio and searches per question, by source."""
 from __future__ import annotations
 
 import dataclasses
-from collections import defaultdict
+import re
+from collections import Counter, defaultdict
 from collections.abc import Sequence
 
 import jax
@@ -20,16 +21,27 @@ def score_trajectory(t: Trajectory, ex: Example, protocol: Protocol = SEM) -> di
     p = protocol.parse(t.text, t.end_reason == "eos")
     em, f1 = score_answer(p.answer, ex)
     return {"id": ex.id, "source": ex.source, "question": ex.question, "gold": list(ex.answers),
-            "answer": p.answer, "valid": p.valid, "em": em, "f1": f1, "searches": t.num_searches,
+            "answer": p.answer, "valid": p.valid, "reason": p.reason, "em": em, "f1": f1, "searches": t.num_searches,
             "response_tokens": int(len(t.response_ids)), "end_reason": t.end_reason, "response": t.text}
 
 
-RECORD_KEYS = ("source", "em", "f1", "searches", "response_tokens", "valid", "end_reason")  # what `aggregate` reads
+RECORD_KEYS = ("source", "em", "f1", "searches", "response_tokens", "valid", "reason", "end_reason")  # what `aggregate` reads
+
+
+def reason_key(reason: str) -> str:
+    """A parser's reason as a metric name: `invalid/must_start_with_think_then_answer`."""
+    return "invalid/" + (re.sub(r"[^a-z0-9]+", "_", reason.lower()).strip("_") or "unknown")
+
+
+def invalid_reasons(records: Sequence[dict]) -> Counter:
+    """How many responses the parser rejected, by its reason."""
+    return Counter(r["reason"] for r in records if not r["valid"])
 
 
 def aggregate(records: Sequence[dict]) -> dict[str, float]:
     """Means overall and per source: em, f1, search_ratio (share with >= 1 search), searches/question,
-    response tokens, the share of valid responses and of responses cut by the budget (`length`)."""
+    response tokens, the share of valid responses and of responses cut by the budget (`length`);
+    and overall, the share of responses the parser rejected for each reason (`invalid/...`)."""
     out: dict[str, float] = {}
     groups = defaultdict(list)
     for r in records:
@@ -44,6 +56,8 @@ def aggregate(records: Sequence[dict]) -> dict[str, float]:
         out[f"response_tokens{sfx}"] = float(np.mean([r["response_tokens"] for r in rs]))
         out[f"valid{sfx}"] = float(np.mean([r["valid"] for r in rs]))
         out[f"length{sfx}"] = float(np.mean([r["end_reason"] == "length" for r in rs]))
+    for reason, n in invalid_reasons(records).items():  # why responses were invalid, overall
+        out[reason_key(reason)] = n / len(records)
     return out
 
 

@@ -55,8 +55,9 @@ def evaluate_modes(sampler, tokenizer, retriever, data: dict[str, list[Example]]
                 with open(os.path.join(out_dir, f"predictions_{mode}_{name}.jsonl"), "w") as fh:
                     for r in records:
                         fh.write(json.dumps(r) + "\n")
-            print(f"[eval] {mode:9s} {name:9s} EM {100 * results[mode][name]['em']:6.2f}  SR "
-                  f"{100 * results[mode][name]['search_ratio']:6.2f}  ({len(records)} questions)", flush=True)
+            m = results[mode][name]
+            print(f"[eval] {mode:9s} {name:9s} EM {100 * m['em']:6.2f}  SR {100 * m['search_ratio']:6.2f}  "
+                  f"valid {100 * m['valid']:6.2f}  cut {100 * m['length']:6.2f}  ({len(records)} questions)", flush=True)
     if out_dir:
         with open(os.path.join(out_dir, "results.json"), "w") as fh:
             json.dump(results, fh, indent=2)

@@ -10,7 +10,8 @@ import jax
 
 
 class MetricWriter:
-    CONSOLE = ("reward/mean", "em", "f1", "search_ratio", "kl", "grad_norm", "time/step", "tokens_per_s")
+    CONSOLE = ("reward/mean", "em", "f1", "search_ratio", "valid", "groups/tied", "kl", "grad_norm", "time/step",
+               "tokens_per_s")
 
     def __init__(self, run_dir: str):
         self.enabled = jax.process_index() == 0

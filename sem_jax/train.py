@@ -36,7 +36,7 @@ from sem_jax.eval_lib import RECORD_KEYS, aggregate, run_mode, score_trajectory
 from sem_jax.hosts import agree_max, check_shared_dir, gather_json, to_global
 from sem_jax.metrics import MetricWriter
 from sem_jax.model import Qwen2Config
-from sem_jax.rl.advantages import group_advantages
+from sem_jax.rl.advantages import group_advantages, tied_groups
 from sem_jax.rl.batch import batch_width, build_batch, response_width
 from sem_jax.rl.trainer import learning_rate
 from sem_jax.sampling import RolloutStats, Trajectory, rollout
@@ -125,6 +125,7 @@ def rollout_and_score(run: Run, state: TrainState, examples: list[Example]) -> S
         trajs, stats = rollout(run.sampler, run.tokenizer, run.retriever, prompts,
                                jax.random.fold_in(jax.random.key(c.seed), state.step), s.rollout, s.protocol)
         seconds = time.perf_counter() - t0
+    run.sampler.release()  # the update's peak memory holds no sampler copy of the weights
     rewards, cases, records = [], [], []
     for t in trajs:
         ex = examples[t.prompt_index]
@@ -163,13 +164,16 @@ def step_metrics(run: Run, state: TrainState, scored: Scored, m: dict, host: dic
     """The step's metrics over every process's trajectories (advances `state.skipped_total`)."""
     lr = float(learning_rate(run.settings.optim)(state.step - state.skipped_total))  # optax counts applied updates
     state.skipped_total += int(m["skipped"])
+    g = run.settings.rollout.group_size
     shares = gather_json({"rewards": scored.rewards, "cases": scored.cases, "adv": np.abs(scored.advantages).tolist(),
+                          "tied": tied_groups(scored.rewards, g), "groups": len(scored.rewards) // g,
                           "records": [{k: r[k] for k in RECORD_KEYS} for r in scored.records],
                           "sampled": int(sum(t.loss_mask.sum() for t in scored.trajs)),
                           "train_tokens": int((host["inputs"] != run.pad_id).sum())})
     rewards, cases, records = (sum((x[k] for x in shares), []) for k in ("rewards", "cases", "records"))
     adv = np.array(sum((x["adv"] for x in shares), []))
-    sampled, train_tokens = (sum(x[k] for x in shares) for k in ("sampled", "train_tokens"))
+    sampled, train_tokens, tied, n_groups = (sum(x[k] for x in shares) for k in ("sampled", "train_tokens", "tied",
+                                                                                 "groups"))
     seconds = time.perf_counter() - t_start
     rs = scored.stats
     metrics = {"reward/mean": float(np.mean(rewards)), "reward/std": float(np.std(rewards)),
@@ -178,6 +182,7 @@ def step_metrics(run: Run, state: TrainState, scored: Scored, m: dict, host: dic
                "clip_frac": float(m["clip_frac"]), "grad_norm": float(m["grad_norm"]),
                "skipped_steps": state.skipped_total, "sampler_gap": float(m["sampler_gap"]),
                "adv/abs_mean": float(np.abs(adv).mean()),
+               "groups/tied": tied / n_groups,  # all G rewards equal: zero advantage, no signal
                "tokens_per_s": sampled / max(scored.seconds, 1e-9), "time/step": seconds,
                "time/rollout": scored.seconds, "time/retrieval": rs.retrieval_s, "pause_rounds": rs.pause_rounds,
                "retriever_calls": rs.retriever_calls, "cut_blocks": rs.cut_blocks, **times}
@@ -199,9 +204,26 @@ def evaluate_policy(run: Run, state: TrainState) -> dict[str, float]:
     with jax.set_mesh(run.mesh):
         records = run_mode("policy", run.greedy, run.tokenizer, run.retriever, padded, s.rollout,
                            run.per_host * s.rollout.group_size, s.system_prompt, s.protocol)[:len(eval_set)]
+    run.greedy.release()
     scores = aggregate(sum(gather_json([{k: r[k] for k in RECORD_KEYS} for r in records]), []))
     run.calls.check(f"eval at step {state.step}")
     return scores
+
+
+def check_start_validity(scores: dict[str, float], threshold: float, protocol: str) -> bool:
+    """Warn when the initial policy seldom writes the protocol's format: its groups' rewards then
+    tie and GRPO has nothing to learn from. Returns whether validity reached `threshold`."""
+    if scores["valid"] >= threshold:
+        return True
+    reasons = sorted(((k.removeprefix("invalid/"), v) for k, v in scores.items() if k.startswith("invalid/")),
+                     key=lambda kv: -kv[1])
+    print(f"WARNING: at step 0 only {100 * scores['valid']:.0f}% of the initial policy's held-out responses follow "
+          f"the {protocol} format (train.min_start_valid={threshold}); rejected as "
+          + ", ".join(f"{k} {100 * v:.0f}%" for k, v in reasons[:4])
+          + ". Groups whose rewards all tie (groups/tied) give GRPO no signal: warm-start the format with "
+          "supervised traces first (sem_jax.sft), or show the format in the prompt (config.system_prompt).",
+          flush=True)
+    return False
 
 
 def save(run: Run, ckpt: Checkpointer, state: TrainState) -> None:
@@ -235,7 +257,7 @@ def train(config: ConfigDict) -> dict[str, float]:
         return scores
 
     if t.eval_at_start and start == 0:
-        evaluate_and_log()
+        check_start_validity(evaluate_and_log(), t.min_start_valid, run.settings.protocol.name)
     while state.step < total:
         t_step = time.perf_counter()
         scored = rollout_and_score(run, state, step_questions(run, state.step))

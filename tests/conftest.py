@@ -15,6 +15,45 @@ import pytest  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
+# Tests marked `real` read the real Qwen2.5-Coder-0.5B-Instruct from this directory
+# (`make test-real` fetches it there); without it they are skipped.
+REAL_MODEL_ENV = "SEM_JAX_REAL_MODEL"
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "real: needs the real Qwen2.5 checkpoint (make test-real)")
+
+
+def pytest_collection_modifyitems(config, items):
+    if os.environ.get(REAL_MODEL_ENV):
+        return
+    skip = pytest.mark.skip(reason=f"real-model test: run `make test-real` (or set {REAL_MODEL_ENV}=DIR)")
+    for item in items:
+        if "real" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def real_model_dir():
+    path = os.environ[REAL_MODEL_ENV]
+    if not os.path.exists(os.path.join(path, "sem_jax_source.json")):
+        pytest.fail(f"{path}: not a finished real-model directory; run "
+                    f"`python scripts/fetch_real_model.py --out {path}`")
+    return path
+
+
+@pytest.fixture(scope="session")
+def real_report():
+    """Figures the real-model tests measured, written to $SEM_JAX_REAL_REPORT (JSON) at the end."""
+    import json
+
+    report: dict = {}
+    yield report
+    out = os.environ.get("SEM_JAX_REAL_REPORT")
+    if out and report:
+        with open(out, "w") as f:
+            json.dump(report, f, indent=1, sort_keys=True)
+
 
 def write_hf_qwen2(path, *, seed=0, max_shard_size="5GB", dtype="float32", **overrides):
     """Random-weight Qwen2 written by `transformers` itself; returns the torch model (eval)."""

@@ -30,6 +30,9 @@ def test_configs():
     assert "7B" in _load("tpu_v4").model.path and "14B" in _load("tpu_v4", "14b").model.path
     with pytest.raises(ValueError, match="choose one of"):
         _load("tpu_v4", "70b")
+    real = _load("real_cpu")  # the real-checkpoint check: paper recipe at a CPU's sizes, no reference copy
+    assert real.model.path.endswith("qwen2.5-coder-0.5b-instruct") and real.model.compute_dtype == "float32"
+    assert settings(real).grpo.beta == 0 and real.rl.micro_batch == 1 and settings(real).optim.lr == 1e-6
     # Placeholders accept a value of their type.
     demo.rl.clip_eps_high = 0.28
     demo.train.debug_kill_at_step = 2

@@ -168,6 +168,9 @@ def test_evaluate_table_and_naive_rag_calls(qwen25_tokenizer, tmp_path):
                     SamplingConfig(max_new_tokens=5, greedy=True, eos_ids=(151645,)))
     cut = evaluate_modes(short, tok, retriever, {"toy": QA}, ["policy"], cfg, batch_size=4)["policy"]["toy"]
     assert cut["length"] == 1.0 and cut["length/toy"] == 1.0 and cut["valid"] == 0.0
+    # Why they are invalid, counted by the parser's reason (none where all are valid).
+    assert {k: v for k, v in cut.items() if k.startswith("invalid/")} == {"invalid/think_not_closed": 1.0}
+    assert not any(k.startswith("invalid/") for k in m)
 
     # naive_rag: the retriever is asked exactly once per question, with the question.
     retriever.queries.clear()

@@ -7,7 +7,7 @@ import pytest
 from flax import nnx
 from policies import random_qwen2
 
-from sem_jax.rl.advantages import group_advantages
+from sem_jax.rl.advantages import group_advantages, tied_groups
 from sem_jax.rl.batch import build_batch
 from sem_jax.rl.loss import GRPOConfig, grpo_loss, token_logprobs
 from sem_jax.rl.trainer import GRPOTrainer, OptimConfig
@@ -23,6 +23,7 @@ def test_group_advantages():
     np.testing.assert_allclose(group_advantages(r, 4, scale_by_std=False)[:4], g - g.mean())
     with pytest.raises(ValueError, match="groups of 3"):
         group_advantages(r, 3)
+    assert tied_groups(r, 4) == 1 and tied_groups(r, 2) == 3 and tied_groups(np.zeros(6), 3) == 2
 
 
 def _np_log_softmax(x):

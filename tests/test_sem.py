@@ -58,6 +58,7 @@ def test_parser_valid_forms():
     ("<think>a</answer>", "closes"),
     ("Sure! <think>a</think><answer>x</answer>", "outside tags"),
     (DIRECT + " trailing", "after the last tag"),
+    ("The capital of France is Paris.", "no tags"),
     (DIRECT + "<search>q</search>", "not followed by <result>"),
     (DIRECT + "<search>q</search><result>r</result>", "no final <answer>"),
     (DIRECT + "<think>more</think>", "after the answer without a search"),
@@ -67,6 +68,21 @@ def test_parser_valid_forms():
 def test_parser_invalid(text, reason):
     p = parse_response(text)
     assert not p.valid and reason in p.reason
+
+
+def test_the_prompts_worked_examples_are_valid_responses():
+    from sem_jax.assemble import settings
+    from sem_jax.config import base_config
+    from sem_jax.protocol.sem import EXAMPLE, EXAMPLE_RESPONSES
+
+    direct, searched = (parse_response(r) for _, r in EXAMPLE_RESPONSES)
+    assert direct.valid and direct.answer == "Paris" and direct.num_searches == 0
+    assert searched.valid and searched.first_answer == "Isambard Brunel" and searched.answer == "Edith Marrow"
+    assert [q for q, _ in searched.searches] == ["Harlow Street bridge designer"]
+    c = base_config()
+    assert EXAMPLE not in settings(c).system_prompt
+    c.prompt_example = True
+    assert settings(c).system_prompt.endswith(EXAMPLE) and EXAMPLE.count("Question: ") == 2
 
 
 @settings(max_examples=300, deadline=None)

@@ -159,3 +159,14 @@ def test_config_overrides_and_unknown_field(tmp_path):
                                  "--config.reward=nope", "--config.train.total_steps=0"],
                                 capture_output=True, text=True, timeout=300, cwd=REPO)
     assert bad_reward.returncode != 0 and "reward='nope'" in bad_reward.stderr
+
+
+def test_a_start_below_the_format_threshold_warns_with_the_reasons(capsys):
+    from sem_jax.train import check_start_validity
+
+    scores = {"valid": 0.1, "em": 0.2, "invalid/must_start_with_think_then_answer": 0.3, "invalid/no_tags": 0.6}
+    assert not check_start_validity(scores, 0.25, "sem")
+    out = capsys.readouterr().out
+    assert "WARNING: at step 0 only 10%" in out and "sem format" in out
+    assert "rejected as no_tags 60%, must_start_with_think_then_answer 30%." in out  # most common first
+    assert check_start_validity({"valid": 0.25}, 0.25, "sem") and capsys.readouterr().out == ""

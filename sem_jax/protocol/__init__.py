@@ -18,6 +18,7 @@ class Protocol:
     name: str
     reward: str                               # the reward it trains with (sem_jax.sem.reward.REWARDS)
     system_prompt: str                        # the policy's instructions (config.system_prompt overrides)
+    example: str                              # a worked example of the format (config.prompt_example adds it)
     direct_system_prompt: str                 # the `direct` evaluation mode: no search offered
     stop_strings: tuple[str, ...]             # decoding pauses after these for the retriever
     limit_note: str                           # inserted once when a row searches past the limit
@@ -37,7 +38,7 @@ class Protocol:
 
 
 def _protocol(name: str, reward: str, module) -> Protocol:
-    return Protocol(name=name, reward=reward, system_prompt=module.SYSTEM_PROMPT,
+    return Protocol(name=name, reward=reward, system_prompt=module.SYSTEM_PROMPT, example=module.EXAMPLE,
                     direct_system_prompt=module.DIRECT_SYSTEM_PROMPT, stop_strings=(module.SEARCH_CLOSE,),
                     limit_note=module.LIMIT_NOTE, parse=module.parse_response, parse_query=module.parse_query,
                     result_block=module.result_block, format_results=module.format_results)

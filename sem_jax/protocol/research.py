@@ -33,6 +33,7 @@ DIRECT_SYSTEM_PROMPT = (
     "The final answer is \\[ \\boxed{answer here} \\] </answer>. In the last part of the answer, the final exact "
     "answer is enclosed within \\boxed{} with latex format."
 )
+EXAMPLE = ""  # ReSearch's system prompt carries its own inline example
 NOTHING_TO_SEARCH = "nothing to search"  # ReSearch's block for a blank query
 LIMIT_NOTE = " <result>\nSearch limit reached: answer with what you know.\n</result>"
 

@@ -27,6 +27,17 @@ SYSTEM_PROMPT = (
     "reading them, think inside <think> </think> and give your final answer inside "
     "<answer> </answer>. Search only when you need to."
 )
+# Appended to the system prompt with `config.prompt_example`: both paths, written in the format
+# the parser reads (a small instruct model follows an example more readily than a description).
+EXAMPLE_RESPONSES = (
+    ("What is the capital of France?", "<think>The capital of France is Paris.</think>\n<answer>Paris</answer>"),
+    ("Who designed the Harlow Street bridge?",
+     "<think>I am not sure who designed it.</think>\n<answer>Isambard Brunel</answer>\n<search>Harlow Street "
+     "bridge designer</search>\n<result>\n(1) Harlow Street bridge: The Harlow Street bridge was designed by Edith "
+     "Marrow.\n</result>\n<think>The result names Edith Marrow.</think>\n<answer>Edith Marrow</answer>"),
+)
+EXAMPLE = "".join(f"\n\nExample {label}:\nQuestion: {q}\n{response}" for label, (q, response) in
+                  zip(("of answering directly", "of answering, searching and answering again"), EXAMPLE_RESPONSES))
 DIRECT_SYSTEM_PROMPT = (
     "Answer the question. Think briefly inside <think> </think>, then give your answer inside "
     "<answer> </answer>. No search is available."
@@ -113,7 +124,7 @@ def _blocks(text: str) -> tuple[list[tuple[str, str]], str]:
     if open_tag is not None:
         return blocks, f"<{open_tag}> not closed"
     if text[pos:].strip():
-        return blocks, "text after the last tag"
+        return blocks, "text after the last tag" if blocks else "no tags"
     return blocks, ""
 
 

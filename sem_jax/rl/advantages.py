@@ -19,3 +19,9 @@ def group_advantages(rewards: np.ndarray, group_size: int, *, eps: float = 1e-6,
     if scale_by_std:
         adv = adv / (g.std(axis=1, keepdims=True) + eps)
     return adv.reshape(-1).astype(np.float32)
+
+
+def tied_groups(rewards: np.ndarray, group_size: int) -> int:
+    """Groups whose G rewards are all equal: their advantages are 0, so they teach nothing."""
+    g = np.asarray(rewards, np.float64).reshape(-1, group_size)
+    return int((g.max(axis=1) == g.min(axis=1)).sum())

@@ -356,6 +356,11 @@ class Sampler:
         self.params = params
         self.layers = layer_list(self.graphdef, params) if self.per_layer else None
 
+    def release(self) -> None:
+        """Drop the weights and their per-layer copies (a model's worth of memory on the CPU path)
+        while the trainer updates them; `set_params` before the next use."""
+        self.params = self.layers = None
+
     def start(self, prompts: Sequence[Sequence[int]], group_size: int, key: jax.Array) -> SamplerState:
         """Prefill each prompt once and copy it to `group_size` rows (row = prompt * G + g)."""
         if not prompts or any(len(p) == 0 for p in prompts):
