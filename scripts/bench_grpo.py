@@ -7,7 +7,9 @@ Workload (fixed so figures compare across tools): random tiny Qwen2 (vocab 8192,
 intermediate 768, 4 layers, 4 heads, 2 KV heads, tied, rope theta 1e6), 8 prompts of 32
 tokens x G = 8, exactly 64 new tokens, temperature 1.0, beta 0.04 with a reference model,
 clip 0.2, AdamW lr 1e-6, global-norm clip 1.0, one optimizer step per iteration, f32.
-With --model, a real HF checkpoint's weights instead, at 2 prompts x G = 4 x 32 new tokens.
+With --model, a real HF checkpoint's weights instead, at 2 prompts x G = 4 x 32 new tokens and
+beta 0 on both sides (a reference copy of 0.5B float32 weights does not fit beside AdamW's state
+in 24 GB).
 Both tools start from the same weights (the checkpoint transformers writes). Reported:
 median seconds per iteration after one warm-up (compile time apart), split into rollout /
 reference / update for sem_jax; model FLOP/s (2 x matmul params x 5 passes x tokens) against
@@ -37,17 +39,18 @@ import numpy as np  # noqa: E402
 CFG = dict(vocab_size=8192, hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=4,
            num_key_value_heads=2, tie_word_embeddings=True, rope_theta=1e6, max_position_embeddings=512)
 PROMPTS, G, PROMPT_LEN, NEW = 8, 8, 32, 64
+BETA = 0.04
 
 
 def use_model(path: str) -> None:
     """Benchmark the checkpoint at `path` (its config), at a workload a CPU runs in minutes."""
-    global PROMPTS, G, NEW
+    global PROMPTS, G, NEW, BETA
     with open(os.path.join(path, "config.json")) as fh:
         hf = json.load(fh)
     CFG.clear()
     CFG.update({k: hf[k] for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                                    "num_attention_heads", "num_key_value_heads", "tie_word_embeddings")})
-    PROMPTS, G, NEW = 2, 4, 32
+    PROMPTS, G, NEW, BETA = 2, 4, 32, 0.0
 
 
 def peak_rss_gib() -> float:
@@ -61,8 +64,8 @@ def _config():
 
 
 def model_flops() -> float:
-    """2 x matmul params x 5 passes (rollout, reference, update x 3) x tokens."""
-    return 2.0 * _config().matmul_params * 5 * PROMPTS * G * (PROMPT_LEN + NEW)
+    """2 x matmul params x 5 passes (rollout, reference, update x 3) x tokens; 4 without a reference."""
+    return 2.0 * _config().matmul_params * (5 if BETA else 4) * PROMPTS * G * (PROMPT_LEN + NEW)
 
 
 def executed_flops() -> float:
@@ -80,7 +83,8 @@ def executed_flops() -> float:
     t, r = bucket_length(PROMPT_LEN + NEW - 1, 32), bucket_length(NEW, 32)
     rollout = PROMPTS * (PROMPT_LEN * layers + head) + NEW * rows * cfg.matmul_params
     train_layers = (PROMPTS * (t - r) + rows * r) * layers
-    return 2.0 * (rollout + 4 * train_layers + 5 * rows * NEW * head)
+    ref = int(BETA > 0)
+    return 2.0 * (rollout + (3 + ref) * train_layers + (4 + ref) * rows * NEW * head)
 
 
 def matmul_peak(n: int = 2048, repeats: int = 5) -> float:
@@ -109,11 +113,11 @@ def bench_sem_jax(path: str, prompts: np.ndarray, iters: int) -> dict:
     never = StopAutomaton(("</search>",), np.zeros((CFG["vocab_size"], 1), np.int32))
     sampler = Sampler(model, never, SamplingConfig(max_new_tokens=NEW, temperature=1.0))
     # LM-head chunks of 64 rows x 8 positions (16 MiB of logits): the fastest of 4..64 positions here.
-    trainer = GRPOTrainer(model, GRPOConfig(beta=0.04, clip_eps=0.2),
+    trainer = GRPOTrainer(model, GRPOConfig(beta=BETA, clip_eps=0.2),
                           OptimConfig(lr=1e-6, grad_clip=1.0, weight_decay=0.0), micro_batch=PROMPTS * G,
                           logprob_chunk=8, group_size=G)
     _, params = nnx.split(model)
-    ref = jax.tree.map(jnp.copy, params)
+    ref = jax.tree.map(jnp.copy, params) if BETA else None
     opt = trainer.init_opt_state(params)
     rng = np.random.RandomState(0)
     rows = []
@@ -130,7 +134,7 @@ def bench_sem_jax(path: str, prompts: np.ndarray, iters: int) -> dict:
                / (rewards.reshape(-1, G).std(1, keepdims=True) + 1e-6)).reshape(-1).astype(np.float32)
         batch = build_batch(trajs, adv, micro_batch=PROMPTS * G, group_size=G)
         t1 = time.perf_counter()
-        ref_lp = trainer.reference_logprobs(ref, batch).block_until_ready()
+        ref_lp = jax.block_until_ready(trainer.reference_logprobs(ref, batch))  # None without a reference
         t2 = time.perf_counter()
         params, opt, m = trainer.update(params, opt, batch, ref_lp)
         jax.block_until_ready(m)
@@ -185,7 +189,7 @@ def bench_trl(path: str, prompts: np.ndarray, iters: int) -> dict:
 
     args = GRPOConfig(output_dir=tempfile.mkdtemp(), use_cpu=True, bf16=False, fp16=False,
                       per_device_train_batch_size=PROMPTS * G, num_generations=G, max_completion_length=NEW,
-                      temperature=1.0, top_k=0, top_p=1.0, beta=0.04, epsilon=0.2, learning_rate=1e-6,
+                      temperature=1.0, top_k=0, top_p=1.0, beta=BETA, epsilon=0.2, learning_rate=1e-6,
                       max_grad_norm=1.0, weight_decay=0.0, num_iterations=1, loss_type="grpo",
                       gradient_accumulation_steps=1, max_steps=iters + 1, logging_steps=10_000,
                       save_strategy="no", report_to=[], disable_dropout=True, seed=0,

@@ -128,8 +128,8 @@ def cpu_config() -> ConfigDict:
     c.optim.lr = 1e-4                    # higher rates broke the answer format within ~10 steps
     c.optim.schedule = "cosine"          # decays to 0 at the last step: held-out answers stay put once
                                          # the search decision is learnt
-    c.train.total_steps = 150
-    c.train.ckpt_every = 25
+    c.train.total_steps = 100
+    c.train.ckpt_every = 20
     return c
 
 

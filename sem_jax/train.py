@@ -221,7 +221,7 @@ def check_start_validity(scores: dict[str, float], threshold: float, protocol: s
           f"the {protocol} format (train.min_start_valid={threshold}); rejected as "
           + ", ".join(f"{k} {100 * v:.0f}%" for k, v in reasons[:4])
           + ". Groups whose rewards all tie (groups/tied) give GRPO no signal: warm-start the format with "
-          "supervised traces first (sem_jax.sft), or show the format in the prompt (config.system_prompt).",
+          "supervised traces first (sem_jax.sft), or show it in the prompt (--config.prompt_example=True).",
           flush=True)
     return False
 

@@ -145,7 +145,8 @@ def test_two_processes_train_as_one(warm_model, tmp_path):
 def test_config_overrides_and_unknown_field(tmp_path):
     run = tmp_path / "r"
     proc = subprocess.run([sys.executable, "-m", "sem_jax.train", f"--config.run_dir={run}",
-                           "--config.train.total_steps=0", "--config.rollout.group_size=3",
+                           "--config.train.total_steps=0", "--config.train.eval_at_start=False",
+                           "--config.rollout.group_size=3",
                            "--config.rl.clip_eps_high=0.28"],
                           capture_output=True, text=True, timeout=300, cwd=REPO)
     assert proc.returncode == 0, proc.stderr[-2000:]
