@@ -7,8 +7,8 @@
 On a GPU backend both sides run on the GPU (torch on cuda).
 
 Same random-weight Qwen2 in both (sem_jax loads the checkpoint transformers wrote), or with
---model a real checkpoint's weights at the qwen2.5-0.5b workload, same prompts, greedy and sampled, every row generating exactly the same number of
-tokens (no EOS). Compile time is reported apart; timed runs follow a warm-up.
+--model a real checkpoint's weights at the qwen2.5-0.5b workload, same prompts, greedy and
+sampled, every row generating exactly the same number of tokens (no EOS). Compile time is reported apart; timed runs follow a warm-up.
 Also greedy with per-layer weights and KV cache (the CPU default) against the stacked layers
 under a scan; the same greedy tokens under a 1024-token response budget, attention over a growing
 window of the KV cache (the default) against the whole preallocated cache; and the cost of

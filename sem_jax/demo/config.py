@@ -15,7 +15,7 @@ DEMO_SECTIONS = ("world", "warm_start")
 
 def demo_config() -> ConfigDict:
     """`make demo`: a synthetic world, a tiny Qwen2 warm-started on it, then GRPO with the SEM
-    reward. No downloads; 8 to 10 minutes on 2 cores."""
+    reward. No downloads; 10 to 20 minutes on 2 cores."""
     c = cpu_config()
     c.world = ConfigDict({k: v for k, v in dataclasses.asdict(WorldConfig()).items() if k != "seed"})
     # Supervised warm start of the random-init policy on the world's templated traces, saved as an
