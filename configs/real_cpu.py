@@ -5,6 +5,12 @@ stack on real weights (evaluation, GRPO steps, export), not a training recipe. F
     python -m sem_jax.evaluate --config configs/real_cpu.py --hf ~/.cache/sem_jax/qwen2.5-coder-0.5b-instruct
     python -m sem_jax.train --config configs/real_cpu.py
 
+or, with the format taught by supervised traces instead of shown in the prompt:
+
+    python -m sem_jax.sft --config configs/real_cpu.py --config.prompt_example=False --out runs/real_sft
+    python -m sem_jax.train --config configs/real_cpu.py --config.prompt_example=False \
+        --config.model.path=runs/real_sft
+
 The paper's recipe (prompt, reward, clip, lr) at a CPU's batch and budgets, in float32, without
 the KL term's reference model (memory).
 """
@@ -35,6 +41,8 @@ def get_config():
     # --config configs/real_cpu.py --hbm_gib 24`); no frozen reference, another 2.5 GB copy.
     c.rl.micro_batch = 1
     c.rl.beta = 0.0
+    # The warm start (sem_jax.sft): 30 steps of one packed 512-token row (about three traces each).
+    c.sft.update(traces=200, steps=30, rows=1, width=512, lr=2e-5)
     c.train.total_steps = 2
     c.train.ckpt_every = 1
     return c

@@ -47,6 +47,9 @@ def main(argv=None) -> int:
     else:
         print("prompt lengths not checked (no --tokenizer): training skips prompts over data.max_prompt_tokens")
     mix = sem_mix(musique, mmlu, ratio=args.ratio, seed=args.seed, limit=args.limit)
+    if len(mix) <= args.eval or args.eval < 0:
+        sys.exit(f"error: the mix holds {len(mix)} questions; --eval={args.eval} held out would leave "
+                 f"{max(len(mix) - max(args.eval, 0), 0)} to train on (lower --eval, or give more questions)")
     os.makedirs(args.out, exist_ok=True)
     for name, rows in (("sem_eval.jsonl", mix[:args.eval]), ("sem_train.jsonl", mix[args.eval:])):
         with open(os.path.join(args.out, name), "w") as fh:

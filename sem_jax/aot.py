@@ -26,6 +26,7 @@ from flax import nnx
 from ml_collections import ConfigDict, config_flags
 
 from sem_jax.assemble import build_mesh, build_trainer, settings
+from sem_jax.config import parse_flags
 from sem_jax.model import Qwen2, Qwen2Config
 from sem_jax.model.hf_io import read_config
 from sem_jax.model.presets import preset
@@ -216,4 +217,4 @@ def main(argv):
 
 if __name__ == "__main__":
     define_flags()
-    app.run(main)
+    app.run(main, flags_parser=parse_flags)

@@ -72,9 +72,34 @@ class Settings:
         return dataclasses.replace(self, sampling=dataclasses.replace(self.sampling, eos_ids=stop_ids(tokenizer)))
 
 
+# Fields that must be positive (counts and sizes) or not negative, checked before anything is built.
+POSITIVE = ("rollout.group_size", "rollout.max_new_tokens", "rl.micro_batch", "rl.logprob_chunk",
+            "data.prompts_per_step", "data.eval_questions", "data.max_prompt_tokens", "retrieval.top_k",
+            "retrieval.max_tokens_per_passage", "train.log_every", "train.ckpt_every", "train.keep_checkpoints",
+            "sft.traces", "sft.steps", "sft.rows")
+NOT_NEGATIVE = ("rollout.max_searches", "rollout.temperature", "rollout.window_steps", "train.total_steps",
+                "train.eval_every", "optim.lr", "optim.weight_decay", "optim.warmup_steps", "optim.grad_clip",
+                "rl.beta", "rl.clip_eps", "sft.lr", "sft.width", "sft.micro_batch", "sft.grad_clip")
+
+
+def check_fields(config: ConfigDict) -> None:
+    """Refuse a count or size that is not positive, or a rate that is negative, naming the field."""
+    def get(name):
+        value = config
+        for part in name.split("."):
+            value = value[part]
+        return value
+    for names, ok, what in ((POSITIVE, lambda v: v > 0, "> 0"), (NOT_NEGATIVE, lambda v: v >= 0, ">= 0")):
+        for name in names:
+            if not ok(get(name)):
+                raise ValueError(f"config.{name}={get(name)!r}: must be {what}")
+
+
 def settings(config: ConfigDict) -> Settings:
-    """Every runtime dataclass of `config`, checked: unknown protocol or reward names, a reward
-    that cannot read the protocol's responses, SEM constants under which a search is free."""
+    """Every runtime dataclass of `config`, checked: counts, sizes and rates in range, unknown
+    protocol or reward names, a reward that cannot read the protocol's responses, SEM constants
+    under which a search is free."""
+    check_fields(config)
     r = config.rollout
     protocol = get_protocol(config.protocol)
     reward = config.reward or protocol.reward
@@ -176,6 +201,17 @@ def build_sampler(model: Qwen2, tokenizer, sampling: SamplingConfig, config: Con
                    max_prompt_tokens=config.data.max_prompt_tokens)
 
 
+def check_positions(config: ConfigDict, s: Settings, model_config: Qwen2Config) -> None:
+    """The longest sequence a rollout can build must fit the model's positions (RoPE beyond them
+    is untrained): refused at start, with the sum."""
+    longest = config.data.max_prompt_tokens + s.sampling.max_new_tokens + s.sampling.max_inserted_tokens
+    if longest > model_config.max_position_embeddings:
+        raise ValueError(f"data.max_prompt_tokens={config.data.max_prompt_tokens} + rollout.max_new_tokens="
+                         f"{s.sampling.max_new_tokens} + {s.sampling.max_inserted_tokens} inserted tokens (retrieval, "
+                         f"rollout.max_searches) = {longest} is over the model's max_position_embeddings="
+                         f"{model_config.max_position_embeddings}")
+
+
 def cap_prompts(examples: Sequence[Example], protocol: Protocol, system_prompt: str, tokenizer, limit: int,
                 where: str) -> list[Example]:
     """The examples whose prompt fits in `limit` tokens, in order; the others are counted by source
@@ -241,6 +277,7 @@ def build_run(config: ConfigDict) -> Run:
                                               for e in train_set + eval_all[:config.data.eval_questions]] + \
         [f"{d['title']} {d['text']}" for d in retriever.passages()]
     model, tokenizer = build_policy(config, texts, run_dir, mesh)
+    check_positions(config, s, model.config)
     s = s.with_eos(tokenizer)
     cap = lambda xs, where: cap_prompts(xs, s.protocol, s.system_prompt, tokenizer, config.data.max_prompt_tokens,
                                         where)

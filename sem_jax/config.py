@@ -7,8 +7,12 @@ turns these fields into the runtime dataclasses; this file holds their only defa
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import difflib
+import importlib.util
 import os
+import sys
 
 from ml_collections import ConfigDict, config_dict
 
@@ -91,6 +95,20 @@ def base_config() -> ConfigDict:
     c.optim = ConfigDict(dict(lr=1e-6, weight_decay=0.01, b1=0.9, b2=0.999, eps=1e-8, grad_clip=1.0,
                               warmup_steps=0, schedule="constant"))
 
+    # The format warm start, `python -m sem_jax.sft` (sem_jax/traces.py): supervised traces of the
+    # protocol from data.train_file, before GRPO.
+    c.sft = ConfigDict()
+    c.sft.traces = 256                   # traces built (questions reused in shuffled rounds)
+    c.sft.search_share = 0.5             # of them searching (from needs_search questions); the rest direct
+    c.sft.steps = 64
+    c.sft.rows = 8                       # packed rows per step
+    c.sft.width = 0                      # tokens per row; 0: the longest trace, bucketed, at least 256
+    c.sft.micro_batch = 0                # rows per gradient micro-batch; 0: all
+    c.sft.lr = 1e-5                      # AdamW, warmup over a tenth of the steps, cosine to 0
+    c.sft.weight_decay = 0.0
+    c.sft.grad_clip = 1.0
+    c.sft.eval = True                    # score the held-out questions before and after
+
     c.train = ConfigDict()
     c.train.total_steps = 10
     c.train.log_every = 1
@@ -147,3 +165,74 @@ def paper_recipe(c: ConfigDict) -> ConfigDict:
     c.model.dtype = "float32"            # master weights
     c.model.compute_dtype = "bfloat16"
     return c
+
+
+def parse_flags(argv: list[str]) -> list[str]:
+    """absl's flag parsing (`app.run(main, flags_parser=parse_flags)`), with an unknown config
+    field said in one line (`unknown_field`) instead of a traceback."""
+    from absl import flags
+    try:
+        return flags.FLAGS(argv)
+    except (flags.Error, AttributeError, KeyError) as e:
+        message = unknown_field(argv)
+        if message:
+            sys.exit(message)
+        if isinstance(e, flags.Error):
+            sys.exit(f"FATAL Flags parsing error: {e}\nPass --helpshort or --helpfull to see help on flags.")
+        raise
+
+
+@contextlib.contextmanager
+def one_line_config_errors(default_config: str | None = None):
+    """Around `config_flags.DEFINE_config_file` with a default config, which applies the command
+    line's overrides as it loads it: an unknown field then fails there."""
+    try:
+        yield
+    except (AttributeError, KeyError):
+        message = unknown_field(sys.argv, default_config)
+        if message:
+            sys.exit(message)
+        raise
+
+
+def unknown_field(argv: list[str], default_config: str | None = None) -> str | None:
+    """"unknown config field 'rl.bta'; did you mean rl.beta?" for the first `--config.X` of `argv`
+    that the config file (`--config`, else `default_config`) does not have; None if all exist."""
+    path = default_config
+    for i, arg in enumerate(argv[1:], start=1):
+        if arg.startswith("--config="):
+            path = arg.split("=", 1)[1]
+        elif arg == "--config" and i + 1 < len(argv):
+            path = argv[i + 1]
+    if not path:
+        return None
+    file, _, arg = path.partition(":")
+    try:
+        spec = importlib.util.spec_from_file_location("_config_for_flags", file)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        config = module.get_config(arg) if arg else module.get_config()
+    except Exception:  # noqa: BLE001 - the config's own error is shown by absl instead
+        return None
+    for arg in argv[1:]:
+        name = arg.lstrip("-").split("=", 1)[0]
+        if name.startswith("config.") and not _has(config, name[7:]):
+            close = difflib.get_close_matches(name[7:], _paths(config), n=3, cutoff=0.5)
+            return f"unknown config field {name[7:]!r}" + (f"; did you mean {', '.join(close)}?" if close else "")
+    return None
+
+
+def _has(config: ConfigDict, path: str) -> bool:
+    node = config
+    for part in path.split("."):
+        if not isinstance(node, ConfigDict) or part not in node:
+            return False
+        node = node[part]
+    return True
+
+
+def _paths(config: ConfigDict, prefix: str = "") -> list[str]:
+    out = []
+    for k, v in config.items():
+        out += _paths(v, f"{prefix}{k}.") if isinstance(v, ConfigDict) else [f"{prefix}{k}"]
+    return out

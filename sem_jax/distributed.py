@@ -10,6 +10,15 @@ import jax
 from ml_collections import ConfigDict
 
 
+_started = False  # whether this process started the distributed runtime (`initialize`)
+
+
+def started() -> bool:
+    """Whether `initialize` started the distributed runtime: JAX then syncs preemption notices
+    (SIGTERM) across processes, which orbax's `reached_preemption` reads."""
+    return _started
+
+
 def on_tpu_vm() -> bool:
     """TPU VMs expose their chips as /dev/accel* (v4) or /dev/vfio/* (v5e and later)."""
     return bool(glob.glob("/dev/accel*") or glob.glob("/dev/vfio/[0-9]*"))
@@ -27,6 +36,8 @@ def initialize(cfg: ConfigDict) -> None:
         return
     if cfg.cpu_collectives:
         jax.config.update("jax_cpu_collectives_implementation", cfg.cpu_collectives)
+    global _started
+    _started = True
     if coordinator:
         num = cfg.num_processes if cfg.num_processes is not None else int(os.environ["JAX_NUM_PROCESSES"])
         pid = cfg.process_id if cfg.process_id is not None else int(os.environ["JAX_PROCESS_ID"])

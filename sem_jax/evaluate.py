@@ -21,6 +21,7 @@ from absl import logging as absl_logging
 from flax import nnx
 from ml_collections import ConfigDict, config_flags
 
+from sem_jax.config import parse_flags
 from sem_jax.data.example import Example
 from sem_jax.eval_lib import aggregate, run_mode
 from sem_jax.protocol import SEM, Protocol
@@ -58,12 +59,17 @@ def evaluate_modes(sampler, tokenizer, retriever, data: dict[str, list[Example]]
             m = results[mode][name]
             print(f"[eval] {mode:9s} {name:9s} EM {100 * m['em']:6.2f}  SR {100 * m['search_ratio']:6.2f}  "
                   f"valid {100 * m['valid']:6.2f}  cut {100 * m['length']:6.2f}  ({len(records)} questions)", flush=True)
-    if out_dir:
-        with open(os.path.join(out_dir, "results.json"), "w") as fh:
-            json.dump(results, fh, indent=2)
-        with open(os.path.join(out_dir, "results.md"), "w") as fh:
-            fh.write(results_table(results, list(data)))
+            if out_dir:  # after every finished part: a later failure loses none of it
+                write_results(out_dir, results, list(data))
     return results
+
+
+def write_results(out_dir: str, results: dict, datasets: Sequence[str]) -> None:
+    for name, text in (("results.json", json.dumps(results, indent=2)), ("results.md", results_table(results, datasets))):
+        path = os.path.join(out_dir, name)
+        with open(path + ".tmp", "w") as fh:
+            fh.write(text)
+        os.replace(path + ".tmp", path)
 
 
 # -- command line -------------------------------------------------------------------------
@@ -102,9 +108,10 @@ def load_policy(config, checkpoint: str | None, step: int | None, hf: str | None
         return from_pretrained(hf), load_tokenizer(hf)
     if not checkpoint:
         raise app.UsageError("give --checkpoint RUN/ckpt or --hf DIR")
+    ckpt = Checkpointer(checkpoint, read_only=True)
     model, tokenizer = build_policy(config, None, checkpoint_run_dir(checkpoint))
     _, params = nnx.split(model)
-    params, got = Checkpointer(checkpoint).restore_params(step, params)
+    params, got = ckpt.restore_params(step, params)
     nnx.update(model, params)
     print(f"restored parameters of step {got} from {checkpoint}", flush=True)
     return model, tokenizer
@@ -112,6 +119,8 @@ def load_policy(config, checkpoint: str | None, step: int | None, hf: str | None
 
 def run_config(checkpoint: str):
     """The config a run was trained with (`sem_jax.train` writes run_dir/config.json)."""
+    if not os.path.isdir(checkpoint):
+        raise app.UsageError(f"{os.path.abspath(checkpoint)}: no checkpoint directory there (a run's is run_dir/ckpt)")
     path = os.path.join(checkpoint_run_dir(checkpoint), "config.json")
     if not os.path.exists(path):
         raise app.UsageError(f"{path}: not found; give --config (the model, retrieval and rollout settings)")
@@ -129,10 +138,12 @@ def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     absl_logging.set_verbosity(absl_logging.WARNING)
-    from sem_jax.assemble import build_retriever, build_sampler, cap_prompts, settings
+    from sem_jax.assemble import build_retriever, build_sampler, cap_prompts, check_positions, settings
     from sem_jax.data.questions import load_questions
     from sem_jax.data.sources import load_source
 
+    if FLAGS.limit is not None and FLAGS.limit < 1:
+        raise app.UsageError(f"--limit={FLAGS.limit}: give at least 1 question per data set (or leave it out: all)")
     config = _CONFIG.value
     if config is None and FLAGS.checkpoint:
         config = run_config(FLAGS.checkpoint)
@@ -140,6 +151,7 @@ def main(argv):
         raise app.UsageError("--config is required (the model, retrieval and rollout settings)")
     s = settings(config)
     model, tokenizer = load_policy(config, FLAGS.checkpoint, FLAGS.step, FLAGS.hf)
+    check_positions(config, s, model.config)
     if FLAGS.data:
         data = {}
         for item in FLAGS.data.split(","):
@@ -165,4 +177,4 @@ def main(argv):
 
 if __name__ == "__main__":
     define_flags()
-    app.run(main)
+    app.run(main, flags_parser=parse_flags)

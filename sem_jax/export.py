@@ -1,10 +1,11 @@
 """Export a sem_jax checkpoint as a Hugging Face model directory.
 
-    python -m sem_jax.export --checkpoint runs/gpu/ckpt [--step N] --out exported/ [--dtype bfloat16]
+    python -m sem_jax.export --checkpoint runs/gpu/ckpt [--step N] --out exported/ [--dtype bfloat16] [--overwrite]
 
 Restores parameters only (no optimizer state is read), using the run's resolved
 config.json (written by training beside ckpt/), and writes weights, config,
-generation config, tokenizer files and chat template that `transformers` loads.
+generation config, tokenizer files and chat template that `transformers` loads, as a
+new directory renamed into place (a non-empty --out is replaced only with --overwrite).
 On a multi-host run every process gathers each tensor in turn and process 0 writes.
 """
 
@@ -12,6 +13,8 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -26,6 +29,7 @@ from sem_jax.model import Qwen2, save_pretrained
 from sem_jax.model.hf_io import read_config
 from sem_jax.model.tokenizer import load_tokenizer
 
+
 def define_flags():
     """Flags exist only when run as a program (importing this module registers none)."""
     flags.DEFINE_string("checkpoint", None, "run_dir/ckpt of a sem_jax run", required=True)
@@ -33,6 +37,7 @@ def define_flags():
     flags.DEFINE_string("out", None, "output directory", required=True)
     flags.DEFINE_enum("dtype", "bfloat16", ["bfloat16", "float32", "float16"], "dtype of the written weights")
     flags.DEFINE_string("max_shard_size", "5GB", "split the safetensors above this size")
+    flags.DEFINE_bool("overwrite", False, "replace a non-empty --out")
 
 
 FLAGS = flags.FLAGS
@@ -47,9 +52,50 @@ def run_config(checkpoint: str) -> tuple[ConfigDict, str]:
         return ConfigDict(json.load(fh)), run_dir
 
 
+def check_out_dir(out: str, overwrite: bool) -> None:
+    """Refuse an `out` that is a file, or a non-empty directory unless `overwrite`: checked before
+    any work, so that a long job does not fail at its last step."""
+    if os.path.isfile(out):
+        raise FileExistsError(f"{out}: is a file, not a directory")
+    if os.path.isdir(out) and os.listdir(out) and not overwrite:
+        raise FileExistsError(f"{out}: not empty (pass --overwrite to replace it)")
+
+
+def write_hf_dir(model: Qwen2, tokenizer, out: str, *, dtype: Any = None, max_shard_size: str = "5GB",
+                 overwrite: bool = False, extra: dict[str, Any] | None = None) -> None:
+    """`model` and `tokenizer` as a Hugging Face directory at `out`, whole or not at all: written
+    beside it (`out.partial`) and renamed into place, so that no shard or index of an earlier
+    model stays beside the new one and an interrupted write leaves `out` as it was. `extra`:
+    JSON files to add (name -> object). On a multi-host run every process takes part in the
+    gathers and process 0 writes."""
+    check_out_dir(out, overwrite)
+    out = os.path.abspath(out)
+    tmp = out + ".partial"
+    main = jax.process_index() == 0
+    if main and os.path.exists(tmp):
+        shutil.rmtree(tmp)
+    save_pretrained(model, tmp, dtype=None if dtype is None else jnp.dtype(dtype), max_shard_size=max_shard_size)
+    if not main:
+        return
+    tokenizer.save_pretrained(tmp)
+    for name, obj in (extra or {}).items():
+        with open(os.path.join(tmp, name), "w") as fh:
+            json.dump(obj, fh, indent=2)
+    if os.path.exists(out):
+        old = out + ".old"
+        shutil.rmtree(old, ignore_errors=True)
+        os.rename(out, old)
+        os.rename(tmp, out)
+        shutil.rmtree(old)
+    else:
+        os.rename(tmp, out)
+
+
 def export(checkpoint: str, out: str, *, step: int | None = None, dtype: str = "bfloat16",
-           max_shard_size: str = "5GB") -> int:
+           max_shard_size: str = "5GB", overwrite: bool = False) -> int:
     """Write the HF directory; returns the exported step."""
+    check_out_dir(out, overwrite)
+    ckpt = Checkpointer(checkpoint, read_only=True)  # a mistyped path fails here, before the model is built
     config, run_dir = run_config(checkpoint)
     m = config.model
     if m.path:
@@ -60,11 +106,9 @@ def export(checkpoint: str, out: str, *, step: int | None = None, dtype: str = "
         model_cfg = init_model_config(config, load_tokenizer(tok_dir))
     model = nnx.eval_shape(lambda: Qwen2(model_cfg, rngs=nnx.Rngs(0), param_dtype=jnp.dtype(m.dtype)))
     _, abstract = nnx.split(model)
-    params, got = Checkpointer(checkpoint).restore_params(step, abstract)
+    params, got = ckpt.restore_params(step, abstract)
     nnx.update(model, params)
-    save_pretrained(model, out, dtype=jnp.dtype(dtype), max_shard_size=max_shard_size)
-    if jax.process_index() == 0:
-        load_tokenizer(tok_dir).save_pretrained(out)
+    write_hf_dir(model, load_tokenizer(tok_dir), out, dtype=dtype, max_shard_size=max_shard_size, overwrite=overwrite)
     return got
 
 
@@ -73,7 +117,7 @@ def main(argv):
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     absl_logging.set_verbosity(absl_logging.WARNING)
     got = export(FLAGS.checkpoint, FLAGS.out, step=FLAGS.step, dtype=FLAGS.dtype,
-                 max_shard_size=FLAGS.max_shard_size)
+                 max_shard_size=FLAGS.max_shard_size, overwrite=FLAGS.overwrite)
     print(f"exported step {got} of {FLAGS.checkpoint} to {FLAGS.out} ({FLAGS.dtype})")
 
 

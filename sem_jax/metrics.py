@@ -9,17 +9,43 @@ import time
 import jax
 
 
+def rewind_jsonl(path: str, step: int) -> int:
+    """Keep the rows of `path` up to `step` (and any unreadable line, as it was); returns how many
+    were dropped. Rewritten beside it and renamed, so a crash here loses nothing."""
+    if not os.path.exists(path):
+        return 0
+    with open(path) as fh:
+        lines = fh.readlines()
+    def after(line):
+        try:
+            return json.loads(line)["step"] > step
+        except (ValueError, KeyError, TypeError):
+            return False
+    keep = [line for line in lines if not after(line)]
+    if len(keep) < len(lines):
+        with open(path + ".tmp", "w") as fh:
+            fh.writelines(keep)
+        os.replace(path + ".tmp", path)
+        print(f"{path}: dropped {len(lines) - len(keep)} rows after step {step} (to be redone)", flush=True)
+    return len(lines) - len(keep)
+
+
 class MetricWriter:
     CONSOLE = ("reward/mean", "em", "f1", "search_ratio", "valid", "groups/tied", "kl", "grad_norm", "time/step",
                "tokens_per_s")
 
-    def __init__(self, run_dir: str):
+    def __init__(self, run_dir: str, resumed_step: int = 0):
+        """`resumed_step`: the step a run restarts from; metrics.jsonl rows after it (steps the
+        crash lost, which the run is about to redo) are dropped first, so that each step is
+        logged once."""
         self.enabled = jax.process_index() == 0
         self.start = time.time()
         if self.enabled:
             from tensorboardX import SummaryWriter
             self.tb = SummaryWriter(os.path.join(run_dir, "tb"))
-            self.jsonl = open(os.path.join(run_dir, "metrics.jsonl"), "a")
+            path = os.path.join(run_dir, "metrics.jsonl")
+            rewind_jsonl(path, resumed_step)
+            self.jsonl = open(path, "a")
 
     def write(self, step: int, metrics: dict[str, float], prefix: str = "train", total: int | None = None):
         if not self.enabled:

@@ -1,26 +1,40 @@
-"""Supervised warm start: teach a policy the answer-first format from (prompt, response) pairs.
+"""The format warm start: supervised traces of the protocol before GRPO.
 
-Cross-entropy on response tokens only; segments marked as inserted (retrieval results)
-are in the context but get no loss, exactly as in GRPO.
+    python -m sem_jax.sft --config configs/real_cpu.py --out DIR [--overwrite]
+    python -m sem_jax.train --config configs/real_cpu.py --config.model.path=DIR
+
+An instruct model that seldom writes SEM's format gives GRPO groups whose rewards all tie (no
+signal). This stage trains it on traces built from the config's training questions
+(`sem_jax.traces`, `config.sft`): cross-entropy on the model's own tokens only; the inserted
+result blocks are context without loss, exactly as in GRPO. It runs the training update itself
+(`GRPOTrainer(objective="nll")`) on the config's mesh, evaluates the held-out questions before
+and after, and writes a Hugging Face directory (with `sem_jax_sft.json`, its report) whole or
+not at all.
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
 import time
 from collections.abc import Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
+from absl import app, flags
+from absl import logging as absl_logging
 from flax import nnx
+from jax.sharding import Mesh
+from ml_collections import ConfigDict, config_flags
 
+from sem_jax.config import parse_flags
 from sem_jax.model.qwen2 import Qwen2
-from sem_jax.rl.loss import token_logprobs
+from sem_jax.rl.loss import GRPOConfig
+from sem_jax.rl.trainer import GRPOTrainer, OptimConfig
 from sem_jax.sampling.sampler import bucket_length
-
-# A training pair: prompt ids, and response segments (ids, trained?).
-Pair = tuple[list[int], list[tuple[list[int], bool]]]
+from sem_jax.traces import Pair
 
 
 def pack(pairs: Sequence[Pair], width: int, pad_id: int = 0) -> dict[str, np.ndarray]:
@@ -100,33 +114,151 @@ def packed_batches(pairs: Sequence[Pair], steps: int, rows: int, width: int, see
 
 def supervised_finetune(model: Qwen2, pairs: Sequence[Pair], *, steps: int, lr: float = 3e-3,
                         rows: int = 12, width: int | None = None, seed: int = 0, pad_id: int = 0,
-                        log_every: int = 0) -> list[float]:
-    """Train `model` in place with AdamW (warmup, cosine decay) on `pairs`, packed into
-    `rows` x `width` token batches (width: the longest pair, bucketed, at least 256);
-    returns the loss per step."""
-    graphdef, params = nnx.split(model)
-    tx = optax.adamw(optax.warmup_cosine_decay_schedule(0.0, lr, max(1, steps // 10), steps), weight_decay=0.0)
-    opt_state = tx.init(params)
+                        log_every: int = 0, micro_batch: int | None = None, weight_decay: float = 0.0,
+                        grad_clip: float = 0.0, chunk: int = 128, per_layer: bool | None = None,
+                        mesh: Mesh | None = None) -> list[float]:
+    """Train `model` in place with AdamW (warmup over a tenth of the steps, cosine decay to 0) on
+    `pairs`, packed into `rows` x `width` token batches (width: the longest pair, bucketed, at
+    least 256) and split into micro-batches of `micro_batch` rows (default: all); `grad_clip` 0
+    does not clip. With `mesh`, batches are sharded over its batch axes, each process giving its
+    share of the rows. Returns the loss per step (a step whose loss or gradient is not finite is
+    not applied, and is reported)."""
+    _, params = nnx.split(model)
+    optim = OptimConfig(lr=lr, weight_decay=weight_decay, grad_clip=grad_clip, warmup_steps=max(1, steps // 10),
+                        schedule="cosine", total_steps=steps)
+    trainer = GRPOTrainer(model, GRPOConfig(beta=0.0), optim, micro_batch=micro_batch or rows, logprob_chunk=chunk,
+                          per_layer=per_layer, objective="nll")
+    if rows % trainer.micro_batch:
+        raise ValueError(f"{rows} rows per step do not split into micro-batches of {trainer.micro_batch}")
     longest = max(len(p) + sum(len(s) for s, _ in segs) for p, segs in pairs)
     width = width or max(256, bucket_length(longest - 1, minimum=16))
+    nproc, pid = jax.process_count(), jax.process_index()
+    if rows % nproc:
+        raise ValueError(f"{rows} rows per step do not split over {nproc} processes")
+    if mesh is None:
+        place, on_mesh = jnp.asarray, contextlib.nullcontext()
+    else:
+        from sem_jax.hosts import to_global
+        share = rows // nproc
+        place, on_mesh = (lambda v: to_global(v[pid * share:(pid + 1) * share], mesh)), jax.set_mesh(mesh)
 
-    @jax.jit
-    def step(params, opt_state, batch):
-        def loss_fn(p):
-            lp, _ = token_logprobs(nnx.merge(graphdef, p), batch["inputs"], batch["targets"], chunk=128,
-                                   segment_ids=batch["segment_ids"])
-            return -jnp.sum(lp * batch["mask"]) / jnp.maximum(batch["mask"].sum(), 1.0)
-        loss, grads = jax.value_and_grad(loss_fn)(params)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss
-
-    losses = []
+    losses, skipped, tokens = [], 0, 0
     t0 = time.perf_counter()
-    for i, batch in enumerate(packed_batches(pairs, steps, rows, width, seed, pad_id)):
-        params, opt_state, loss = step(params, opt_state, batch)
-        losses.append(float(loss))
-        if log_every and ((i + 1) % log_every == 0 or i + 1 == steps):
-            print(f"[warm start {i + 1}/{steps}] loss={np.mean(losses[-log_every:]):.4f} "
-                  f"({time.perf_counter() - t0:.0f}s)", flush=True)
+    with on_mesh:  # the model's logical sharding constraints apply under the mesh, as in training
+        opt_state = trainer.init_opt_state(params)
+        for i, batch in enumerate(packed_batches(pairs, steps, rows, width, seed, pad_id)):
+            params, opt_state, m = trainer.update(params, opt_state, {k: place(v) for k, v in batch.items()})
+            losses.append(float(m["loss"]))
+            skipped += int(m["skipped"])
+            tokens += int((batch["segment_ids"] > 0).sum())
+            if log_every and ((i + 1) % log_every == 0 or i + 1 == steps):
+                took = time.perf_counter() - t0
+                print(f"[warm start {i + 1}/{steps}] loss={np.mean(losses[-log_every:]):.4f} "
+                      f"tokens/s={tokens / took:.0f} ({took:.0f}s, about {took / (i + 1) * (steps - i - 1):.0f}s "
+                      f"left){f', {skipped} non-finite steps skipped' if skipped else ''}", flush=True)
+    if skipped == steps:
+        raise FloatingPointError(f"all {steps} warm-start steps had a non-finite loss or gradient; nothing was learnt")
     nnx.update(model, params)
     return losses
+
+
+# -- the command line's stage ---------------------------------------------------------------
+
+def format_scores(sampler, tokenizer, retriever, examples, s, batch_size: int, mesh: Mesh) -> dict[str, float]:
+    """Greedy policy-mode scores (validity, EM, search ratio, parser reasons) on `examples`."""
+    from sem_jax.eval_lib import aggregate, run_mode
+    with jax.set_mesh(mesh):
+        records = run_mode("policy", sampler, tokenizer, retriever, examples, s.rollout, batch_size, s.system_prompt,
+                           s.protocol)
+    sampler.release()
+    return aggregate(records)
+
+
+def finetune(config: ConfigDict, out: str, *, overwrite: bool = False, dtype: str | None = None) -> dict[str, Any]:
+    """The warm start as `config.sft` says, from `config.model.path` to the HF directory `out`;
+    returns the report written there (`sem_jax_sft.json`)."""
+    from sem_jax.assemble import (build_mesh, build_policy, build_retriever, build_sampler, cap_prompts,
+                                  check_positions, settings)
+    from sem_jax.data.questions import load_questions
+    from sem_jax.export import check_out_dir, write_hf_dir
+    from sem_jax.traces import build_traces
+
+    f = config.sft
+    s = settings(config)
+    if not config.model.path:
+        raise ValueError("sem_jax.sft warm-starts a pretrained model: set --config.model.path (the demo's "
+                         "random-init model has its own warm start, `make demo`)")
+    check_out_dir(out, overwrite)
+    t_start = time.perf_counter()
+    mesh = build_mesh(config)
+    model, tokenizer = build_policy(config, None, config.run_dir, mesh)
+    check_positions(config, s, model.config)
+    s = s.with_eos(tokenizer)
+    cap = lambda path: cap_prompts(load_questions(path), s.protocol, s.system_prompt, tokenizer,
+                                   config.data.max_prompt_tokens, path)
+    train_set = cap(config.data.train_file)
+    retriever = build_retriever(config)
+    pairs, stats = build_traces(train_set, tokenizer, retriever, s.protocol, count=f.traces,
+                                search_share=f.search_share, top_k=config.retrieval.top_k,
+                                max_tokens_per_passage=config.retrieval.max_tokens_per_passage,
+                                system_prompt=s.system_prompt, seed=config.seed)
+    print(f"warm start: {stats.summary()}", flush=True)
+    report: dict[str, Any] = {"source": os.path.abspath(config.model.path), "traces": stats.__dict__,
+                              "sft": f.to_dict(), "system_prompt": s.system_prompt}
+    sampler = eval_set = None
+    if f.eval:
+        eval_set = cap(config.data.eval_file)[:config.data.eval_questions]
+        sampler = build_sampler(model, tokenizer, s.greedy, config, s.protocol, mesh=mesh)
+        batch = config.data.prompts_per_step * config.rollout.group_size
+        report["before"] = format_scores(sampler, tokenizer, retriever, eval_set, s, batch, mesh)
+        print(_scores_line("before", report["before"], len(eval_set)), flush=True)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    t_train = time.perf_counter()
+    losses = supervised_finetune(model, pairs, steps=f.steps, lr=f.lr, rows=f.rows, width=f.width or None,
+                                 seed=config.seed, pad_id=pad, log_every=max(1, f.steps // 10),
+                                 micro_batch=f.micro_batch or None, weight_decay=f.weight_decay,
+                                 grad_clip=f.grad_clip, chunk=config.rl.logprob_chunk, mesh=mesh)
+    report.update(losses=[round(x, 5) for x in losses], train_seconds=round(time.perf_counter() - t_train, 1))
+    if f.eval:
+        sampler.set_params(nnx.split(model)[1])
+        report["after"] = format_scores(sampler, tokenizer, retriever, eval_set, s, batch, mesh)
+        print(_scores_line("after", report["after"], len(eval_set)), flush=True)
+    report["seconds"] = round(time.perf_counter() - t_start, 1)
+    write_hf_dir(model, tokenizer, out, dtype=dtype, overwrite=overwrite, extra={"sem_jax_sft.json": report})
+    print(f"wrote {out} ({report['seconds']:.0f}s); train on it with --config.model.path={out}", flush=True)
+    return report
+
+
+def _scores_line(when: str, m: dict[str, float], n: int) -> str:
+    reasons = sorted(((k.removeprefix("invalid/"), v) for k, v in m.items() if k.startswith("invalid/")),
+                     key=lambda kv: -kv[1])
+    return (f"{when} the warm start, {n} held-out questions: valid {100 * m['valid']:.0f}%, EM {100 * m['em']:.1f}, "
+            f"search ratio {100 * m['search_ratio']:.0f}%"
+            + (f"; invalid: {', '.join(f'{k} {100 * v:.0f}%' for k, v in reasons[:3])}" if reasons else ""))
+
+
+def define_flags():
+    """Flags exist only when run as a program (importing this module registers none)."""
+    global _CONFIG
+    _CONFIG = config_flags.DEFINE_config_file("config", None, "Training config file (ml_collections).",
+                                              lock_config=True)
+    flags.DEFINE_string("out", None, "output directory (a Hugging Face model)", required=True)
+    flags.DEFINE_bool("overwrite", False, "replace a non-empty --out")
+    flags.DEFINE_enum("dtype", None, ["bfloat16", "float32", "float16"], "dtype of the written weights "
+                      "(default: model.dtype)")
+
+
+def main(argv: list[str]) -> None:
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    if _CONFIG.value is None:
+        raise app.UsageError("--config is required (the model, data and sft settings)")
+    absl_logging.set_verbosity(absl_logging.WARNING)
+    from sem_jax.distributed import initialize as initialize_distributed
+    initialize_distributed(_CONFIG.value.distributed)
+    finetune(_CONFIG.value, flags.FLAGS.out, overwrite=flags.FLAGS.overwrite, dtype=flags.FLAGS.dtype)
+
+
+if __name__ == "__main__":
+    define_flags()
+    app.run(main, flags_parser=parse_flags)

@@ -16,6 +16,7 @@ import dataclasses
 import json
 import os
 import signal
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -30,8 +31,10 @@ from ml_collections import ConfigDict, config_flags
 
 from sem_jax.assemble import Run, build_run, settings
 from sem_jax.checkpoint import Checkpointer
+from sem_jax.config import one_line_config_errors, parse_flags
 from sem_jax.data.example import Example
 from sem_jax.distributed import initialize as initialize_distributed
+from sem_jax.distributed import started as distributed_started
 from sem_jax.eval_lib import RECORD_KEYS, aggregate, run_mode, score_trajectory
 from sem_jax.hosts import agree_max, check_shared_dir, gather_json, to_global
 from sem_jax.metrics import MetricWriter
@@ -39,6 +42,7 @@ from sem_jax.model import Qwen2Config
 from sem_jax.rl.advantages import group_advantages, tied_groups
 from sem_jax.rl.batch import batch_width, build_batch, response_width
 from sem_jax.rl.trainer import learning_rate
+from sem_jax.run_lock import RunLock
 from sem_jax.sampling import RolloutStats, Trajectory, rollout
 from sem_jax.sem.reward import CASES
 from sem_jax.sharding import shard_params
@@ -96,8 +100,9 @@ def initial_state(run: Run, ckpt: Checkpointer) -> TrainState:
         ref_params = jax.tree.map(jnp.copy, params) if run.settings.grpo.beta > 0 else None
         opt_state = run.trainer.init_opt_state(params)
     state = TrainState(params, opt_state, ref_params)
-    if ckpt.latest_step() is not None:
-        state.params, state.opt_state, meta = ckpt.restore(ckpt.latest_step(), params, opt_state)
+    restored = ckpt.restore_newest(params, opt_state)
+    if restored is not None:
+        _, state.params, state.opt_state, meta = restored
         state.step, state.skipped_total = meta["step"], meta["skipped_total"]
         print(f"resumed from step {state.step} ({ckpt.directory})", flush=True)
     return state
@@ -226,6 +231,39 @@ def check_start_validity(scores: dict[str, float], threshold: float, protocol: s
     return False
 
 
+class StopSignals:
+    """SIGTERM and SIGINT in a run without the distributed runtime: the step in flight finishes,
+    is saved, and the run exits cleanly (a restart resumes from it); a second signal stops at
+    once. With the runtime, JAX syncs SIGTERM across processes and orbax reports it instead
+    (`reached_preemption`): one process stopping alone would leave the others waiting."""
+
+    def __init__(self):
+        self.received: int | None = None
+        # Handlers can only be set from the main thread (a run started from a thread keeps the defaults).
+        self.installed = not distributed_started() and threading.current_thread() is threading.main_thread()
+        self.previous = {}
+        if self.installed:
+            self.previous = {s: signal.signal(s, self._handle) for s in (signal.SIGTERM, signal.SIGINT)}
+
+    def __enter__(self) -> "StopSignals":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.restore()
+
+    def _handle(self, signum, frame):
+        self.received = signum
+        for s, handler in self.previous.items():
+            signal.signal(s, handler)
+        print(f"{signal.Signals(signum).name}: finishing this step, then saving and exiting (again to stop now)",
+              flush=True)
+
+    def restore(self) -> None:
+        for s, handler in self.previous.items():
+            signal.signal(s, handler)
+        self.previous = {}
+
+
 def save(run: Run, ckpt: Checkpointer, state: TrainState) -> None:
     ckpt.save(state.step, state.params, state.opt_state,
               {"step": state.step, "data_position": state.step * run.config.data.prompts_per_step,
@@ -240,13 +278,23 @@ def train(config: ConfigDict) -> dict[str, float]:
     run_dir = os.path.abspath(config.run_dir)
     os.makedirs(run_dir, exist_ok=True)
     check_shared_dir(run_dir)
+    # One trainer per run_dir (process 0 holds it for a multi-process run), before any file is written.
+    lock = RunLock(run_dir).acquire() if jax.process_index() == 0 else None
+    try:
+        return _train(config, run_dir)
+    finally:
+        if lock:
+            lock.release()
+
+
+def _train(config: ConfigDict, run_dir: str) -> dict[str, float]:
     if jax.process_index() == 0:
         with open(os.path.join(run_dir, "config.json"), "w") as fh:
             fh.write(config.to_json_best_effort(indent=2))
     run = build_run(config)
     ckpt = Checkpointer(os.path.join(run_dir, "ckpt"), keep=config.train.keep_checkpoints)
     state = initial_state(run, ckpt)
-    writer = MetricWriter(run_dir)
+    writer = MetricWriter(run_dir, resumed_step=state.step)
     t = config.train
     total, start = t.total_steps, state.step
     metrics: dict[str, float] = {}
@@ -258,30 +306,36 @@ def train(config: ConfigDict) -> dict[str, float]:
 
     if t.eval_at_start and start == 0:
         check_start_validity(evaluate_and_log(), t.min_start_valid, run.settings.protocol.name)
-    while state.step < total:
-        t_step = time.perf_counter()
-        scored = rollout_and_score(run, state, step_questions(run, state.step))
-        m, host, times = update(run, state, scored)
-        run.calls.check(f"step {state.step + 1}")
-        metrics = step_metrics(run, state, scored, m, host, times, t_step)
-        state.step += 1
-        if state.step % t.log_every == 0 or state.step == total:
-            writer.write(state.step, metrics, total=total)
-        due = state.step % t.ckpt_every == 0 or state.step == total
-        if due:
-            save(run, ckpt, state)
-        if ckpt.manager.reached_preemption(state.step):
-            # TPU maintenance / spot preemption notice: save now, exit cleanly, resume on relaunch.
-            if not due:
+    with StopSignals() as stop:
+        while state.step < total:
+            t_step = time.perf_counter()
+            scored = rollout_and_score(run, state, step_questions(run, state.step))
+            m, host, times = update(run, state, scored)
+            run.calls.check(f"step {state.step + 1}")
+            metrics = step_metrics(run, state, scored, m, host, times, t_step)
+            state.step += 1
+            if state.step % t.log_every == 0 or state.step == total:
+                writer.write(state.step, metrics, total=total)
+            due = state.step % t.ckpt_every == 0 or state.step == total
+            if due:
                 save(run, ckpt, state)
-            ckpt.close()
-            print(f"preemption notice: saved step {state.step}, exiting", flush=True)
-            return metrics
-        if t.debug_kill_at_step == state.step:
-            ckpt.wait()
-            os.kill(os.getpid(), signal.SIGKILL)
-        if t.eval_every and state.step % t.eval_every == 0 and state.step != total:
-            evaluate_and_log()
+            else:
+                ckpt.check()  # a background save that failed stops the run at the next step
+            if stop.received or ckpt.manager.reached_preemption(state.step):
+                # A signal, or a TPU maintenance / spot preemption notice: save now, exit cleanly,
+                # resume on relaunch.
+                if not due:
+                    save(run, ckpt, state)
+                ckpt.close()
+                writer.close()
+                why = signal.Signals(stop.received).name if stop.received else "preemption notice"
+                print(f"{why}: saved step {state.step}, exiting", flush=True)
+                return metrics
+            if t.debug_kill_at_step == state.step:
+                ckpt.wait()
+                os.kill(os.getpid(), signal.SIGKILL)
+            if t.eval_every and state.step % t.eval_every == 0 and state.step != total:
+                evaluate_and_log()
     ckpt.close()
     if start < total:
         metrics.update({f"eval/{k}": v for k, v in evaluate_and_log().items()})
@@ -293,8 +347,9 @@ def define_flags():
     # Defined only when run as a program: importing this module (tests, other entry points)
     # must not register a second --config.
     global _CONFIG
-    _CONFIG = config_flags.DEFINE_config_file("config", DEFAULT_CONFIG, "Training config file (ml_collections).",
-                                              lock_config=True)
+    with one_line_config_errors(DEFAULT_CONFIG):
+        _CONFIG = config_flags.DEFINE_config_file("config", DEFAULT_CONFIG, "Training config file (ml_collections).",
+                                                  lock_config=True)
 
 
 def cli(argv: list[str], config: ConfigDict, prepare: Callable[[ConfigDict], ConfigDict] | None = None) -> None:
@@ -314,4 +369,4 @@ def main(argv: list[str]) -> None:
 
 if __name__ == "__main__":
     define_flags()
-    app.run(main)
+    app.run(main, flags_parser=parse_flags)

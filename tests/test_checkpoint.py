@@ -68,3 +68,71 @@ def test_killed_during_a_save_keeps_the_previous_step(tmp_path):
     assert ckpt.latest_step() == 1
     params, _ = ckpt.restore_params(None, {"w": jnp.zeros((8, 8))})
     np.testing.assert_array_equal(np.asarray(params["w"]), np.ones((8, 8)))
+
+
+@pytest.mark.parametrize("damage", ["truncate", "delete"])
+def test_a_damaged_newest_step_is_set_aside_and_the_one_before_restores(tmp_path, capsys, damage):
+    ckpt = Checkpointer(str(tmp_path / "ckpt"), async_save=False)
+    for step in (1, 2, 3):
+        ckpt.save(step, _tree(step), {"mu": _tree(10 + step)}, {"step": step})
+    ckpt.close()
+    files = sorted(p for p in (tmp_path / "ckpt" / "3" / "params").rglob("*") if p.is_file() and p.stat().st_size > 64)
+    assert files
+    for f in files:  # every data file of step 3's params: a disk that filled up, a copy cut short
+        if damage == "truncate":
+            f.write_bytes(f.read_bytes()[:16])
+        else:
+            f.unlink()
+    again = Checkpointer(str(tmp_path / "ckpt"))
+    step, params, opt, meta = again.restore_newest(_tree(0), {"mu": _tree(0)})
+    assert (step, meta) == (2, {"step": 2})
+    jax.tree.map(np.testing.assert_array_equal, params, _tree(2))
+    jax.tree.map(np.testing.assert_array_equal, opt, {"mu": _tree(12)})
+    assert "checkpoint step 3 does not restore" in capsys.readouterr().out
+    assert sorted(os.listdir(tmp_path / "ckpt")) == ["1", "2", "3.unreadable"] and again.latest_step() == 2
+    again.save(3, _tree(30), {"mu": _tree(40)}, {"step": 3})  # the run goes on from step 2
+    again.close()
+    assert Checkpointer(str(tmp_path / "ckpt")).restore_params(None, _tree(0))[1] == 3
+
+
+def test_a_full_disk_refuses_the_save_and_keeps_the_last_checkpoint(tmp_path, monkeypatch):
+    import shutil as real_shutil
+    from collections import namedtuple
+
+    import sem_jax.checkpoint as mod
+    ckpt = Checkpointer(str(tmp_path / "ckpt"), async_save=False)
+    ckpt.save(1, _tree(1), {"mu": _tree(11)}, {"step": 1})
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(mod, "shutil", type("S", (), {"disk_usage": staticmethod(lambda p: usage(1 << 30, 1 << 30, 1 << 20))}))
+    with pytest.raises(OSError, match=r"ckpt: 0\.00 GiB free, a checkpoint needs about 0\.00 GiB; not saving step 2 "
+                                      r"\(the last checkpoint, step 1, is kept\)"):
+        ckpt.save(2, _tree(2), {"mu": _tree(12)}, {"step": 2})
+    monkeypatch.setattr(mod, "shutil", real_shutil)
+    ckpt.close()
+    again = Checkpointer(str(tmp_path / "ckpt"))
+    params, step = again.restore_params(None, _tree(0))
+    assert step == 1
+    jax.tree.map(np.testing.assert_array_equal, params, _tree(1))
+
+
+def test_a_failed_background_save_is_raised_at_the_next_step_with_the_free_space(tmp_path, monkeypatch):
+    ckpt = Checkpointer(str(tmp_path / "ckpt"), async_save=False)
+    ckpt.save(1, _tree(1), {"mu": _tree(11)}, {"step": 1})
+
+    def failed():
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(ckpt.manager, "check_for_errors", failed)
+    with pytest.raises(OSError, match=r"ckpt: a checkpoint save failed \(OSError: .*No space left on device\); "
+                                      r"[\d.]+ GiB free there; the last complete checkpoint is step 1"):
+        ckpt.check()
+
+
+def test_when_no_step_restores_nothing_is_moved(tmp_path):
+    ckpt = Checkpointer(str(tmp_path / "ckpt"), async_save=False)
+    for step in (1, 2):
+        ckpt.save(step, _tree(step), {"mu": _tree(10 + step)}, {"step": step})
+    ckpt.close()
+    other = {"w": jnp.zeros((3, 3)), "b": jnp.zeros(5)}  # a model config that changed since
+    with pytest.raises(RuntimeError, match=r"no checkpoint restores \(steps \[2, 1\]\).*new run_dir"):
+        Checkpointer(str(tmp_path / "ckpt")).restore_newest(other, {"mu": other})
+    assert sorted(os.listdir(tmp_path / "ckpt")) == ["1", "2"]

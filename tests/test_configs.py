@@ -46,3 +46,35 @@ def test_default_configs_are_the_cpu_ones():
     demo, cpu = _load("demo_cpu"), _load("cpu")
     assert set(demo) - set(cpu) == set(DEMO_SECTIONS)
     assert training_config(demo).to_dict() == cpu.to_dict()
+
+
+@pytest.mark.parametrize("field,value,message", [
+    ("rollout.group_size", 0, "config.rollout.group_size=0: must be > 0"),
+    ("rl.micro_batch", -2, "config.rl.micro_batch=-2: must be > 0"),
+    ("train.ckpt_every", 0, "config.train.ckpt_every=0: must be > 0"),
+    ("data.prompts_per_step", 0, "config.data.prompts_per_step=0: must be > 0"),
+    ("optim.lr", -1e-6, "config.optim.lr=-1e-06: must be >= 0"),
+    ("rollout.max_searches", -1, "config.rollout.max_searches=-1: must be >= 0"),
+    ("train.total_steps", -5, "config.train.total_steps=-5: must be >= 0"),
+    ("sft.steps", 0, "config.sft.steps=0: must be > 0"),
+])
+def test_out_of_range_fields_are_refused_by_name(field, value, message):
+    from sem_jax.assemble import settings
+    c = _load("cpu")
+    section, name = field.split(".")
+    c[section][name] = value
+    with pytest.raises(ValueError, match=message.replace(".", r"\.").replace("+", r"\+")):
+        settings(c)
+
+
+def test_a_rollout_longer_than_the_models_positions_is_refused():
+    from sem_jax.assemble import check_positions, settings
+    from sem_jax.model import Qwen2Config
+    c = _load("cpu")
+    s = settings(c)
+    longest = c.data.max_prompt_tokens + s.sampling.max_new_tokens + s.sampling.max_inserted_tokens
+    shape = dict(vocab_size=64, hidden_size=8, intermediate_size=8, num_layers=1, num_heads=1, num_kv_heads=1)
+    check_positions(c, s, Qwen2Config(**shape, max_position_embeddings=longest))
+    with pytest.raises(ValueError, match=rf"data\.max_prompt_tokens=256 \+ rollout\.max_new_tokens=192 \+ \d+ inserted "
+                                         rf".* = {longest} is over the model's max_position_embeddings={longest - 1}"):
+        check_positions(c, s, Qwen2Config(**shape, max_position_embeddings=longest - 1))

@@ -81,6 +81,32 @@ def test_no_usable_row_is_an_error(tmp_path):
         load_source("squad", bad)
 
 
+def test_undecodable_and_malformed_lines_are_broken_rows_with_file_and_line(tmp_path, caplog):
+    from sem_jax.data.questions import load_questions
+    from sem_jax.retrieval import read_corpus
+    row = lambda i: json.dumps({"id": f"q{i}", "question": f"Question {i}?", "answers": ["x"], "source": "s",
+                                "needs_search": False})
+    path = tmp_path / "questions.jsonl"
+    path.write_bytes(b"\xef\xbb\xbf" + row(0).encode() + b"\n" + row(1).encode().replace(b"Question", b"Qu\xe9stion")
+                     + b"\n{not json\n" + row(3).encode() + b"\n")
+    assert [e.id for e in load_questions(str(path))] == ["q0", "q3"]  # the BOM is no broken row
+    assert f"{path}: skipped 2 broken row(s); first: {path}:2: not UTF-8 (byte 0xe9 at column" in caplog.text
+    # A data set file in JSON Lines loses only its broken line, not the whole file.
+    mus = tmp_path / "musique.jsonl"
+    good = {"id": "m1", "question": "Where?", "answer": "Oslo", "answerable": True, "paragraphs": []}
+    mus.write_bytes(b'{"id": "m0", "quest\n' + json.dumps(good).encode() + b"\n")
+    assert [e.id for e in load_source("musique", str(mus))] == ["m1"]
+    assert f"{mus}:1: not JSON" in caplog.text
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_bytes(json.dumps({"id": "p0", "text": "fine"}).encode() + b"\n" +
+                       b'{"id": "p1", "text": "caf\xe9"}\n')
+    assert [d["id"] for d in read_corpus(str(corpus))] == ["p0"]
+    utf16 = tmp_path / "utf16.jsonl"
+    utf16.write_bytes((row(0) + "\n").encode("utf-16"))
+    with pytest.raises(ValueError, match=rf"{utf16}: no usable question \(\d broken; first: {utf16}:1: not UTF-8 .*save it as UTF-8"):
+        load_questions(str(utf16))
+
+
 def _examples(n, source, search):
     return [Example(f"{source}{i}", f"q{i}", ("a",), source, search) for i in range(n)]
 
@@ -214,6 +240,20 @@ def test_export_and_evaluate_cli_on_a_trained_checkpoint(tmp_path):
     tok = transformers.AutoTokenizer.from_pretrained(str(out))
     assert tok.eos_token == "<|im_end|>" and "<|im_start|>" in tok.apply_chat_template(
         [{"role": "user", "content": "hi"}], tokenize=False)
+    # A second export into the same directory is refused (no old shard stays beside new ones), and
+    # a mistyped checkpoint is named before any work, creating nothing.
+    again = subprocess.run([sys.executable, "-m", "sem_jax.export", f"--checkpoint={run}/ckpt", f"--out={out}"],
+                           capture_output=True, text=True, timeout=600, cwd=REPO, env=env)
+    assert again.returncode != 0 and f"{out}: not empty (pass --overwrite to replace it)" in again.stderr
+    typo = tmp_path / "rnu" / "ckpt"
+    for cmd in (["sem_jax.export", f"--out={tmp_path / 'hf2'}"], ["sem_jax.evaluate"]):
+        bad = subprocess.run([sys.executable, "-m", *cmd, f"--checkpoint={typo}"], capture_output=True, text=True,
+                             timeout=600, cwd=REPO, env=env)
+        assert bad.returncode != 0 and f"{typo}: no checkpoint directory there" in bad.stderr + bad.stdout, cmd
+    assert not (tmp_path / "rnu").exists() and not (tmp_path / "hf2").exists()
+    zero = subprocess.run([sys.executable, "-m", "sem_jax.evaluate", f"--checkpoint={run}/ckpt", "--limit=0"],
+                          capture_output=True, text=True, timeout=600, cwd=REPO, env=env)
+    assert zero.returncode != 0 and "--limit=0: give at least 1 question" in zero.stderr + zero.stdout
 
     # The evaluate command on the same checkpoint: a table per mode, per-question outputs.
     ev = tmp_path / "eval"
@@ -258,6 +298,11 @@ def test_prepare_data_writes_loadable_mix(files, tmp_path):
     assert sorted(e.source for e in rows) == ["mmlu", "mmlu", "musique", "musique"]
     mc = [e for e in rows if e.kind == "mc"][0]
     assert mc.options and mc.answers[0] in "AB"
+    empty = subprocess.run([sys.executable, "scripts/prepare_data.py", "--musique", files["musique"], "--mmlu",
+                            files["mmlu"], "--out", str(tmp_path / "none"), "--eval", "4"], capture_output=True,
+                           text=True, timeout=300, cwd=REPO)
+    assert empty.returncode != 0 and "the mix holds 4 questions; --eval=4 held out would leave 0" in empty.stderr
+    assert not (tmp_path / "none").exists()
 
 
 def test_prompts_over_the_cap_are_skipped_with_counts_and_refused_by_the_sampler(files, tmp_path, qwen25_tokenizer,

@@ -141,3 +141,13 @@ def test_errors_name_file_and_tensor(tmp_path):
         from_pretrained(str(bad))
     with pytest.raises(FileNotFoundError, match="config.json"):
         from_pretrained(str(tmp_path / "nowhere"))
+
+
+def test_a_truncated_checkpoint_is_refused_naming_the_tensor_and_bytes(tmp_path):
+    write_hf_qwen2(tmp_path / "ok")
+    path = tmp_path / "ok" / "model.safetensors"
+    data = path.read_bytes()
+    path.write_bytes(data[:len(data) - 1000])  # an interrupted copy
+    with pytest.raises(ValueError, match=r"model\.safetensors: truncated: tensor '[^']+' needs bytes \d+\.\.\d+ of the "
+                                         rf"file, which has {len(data) - 1000} \(\d+ missing\)"):
+        from_pretrained(str(tmp_path / "ok"))

@@ -80,3 +80,22 @@ def test_build_index_script(corpus_file, tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert "indexed 5 passages" in proc.stdout
     assert Retriever.load(str(out)).search(["highest mountain"], 1)[0][0].id == "d2"
+
+
+@pytest.mark.parametrize("damage,message", [
+    (lambda d: (d / "corpus.jsonl").unlink(), r"incomplete index, missing corpus\.jsonl"),
+    (lambda d: (d / "vocab.index.json").unlink(), r"incomplete index, missing vocab\.index\.json"),
+    (lambda d: _cut(d / "indices.csc.index.npy", 40), r"indices\.csc\.index\.npy: unreadable or truncated"),
+    (lambda d: _cut(d / "vocab.index.json", 20), r"vocab\.index\.json: unreadable or truncated"),
+    (lambda d: _cut(d / "corpus.jsonl", 10), r"corpus\.jsonl: truncated \(\d+ bytes; passage 4 at byte \d+ is not a whole row\)"),
+])
+def test_a_damaged_index_is_named_at_load(corpus_file, tmp_path, damage, message):
+    Retriever.from_jsonl(corpus_file, show_progress=False).save(str(tmp_path / "idx"))
+    damage(tmp_path / "idx")
+    with pytest.raises((FileNotFoundError, ValueError), match=message):
+        Retriever.load(str(tmp_path / "idx"))
+
+
+def _cut(path, nbytes):
+    data = path.read_bytes()
+    path.write_bytes(data[:len(data) - nbytes])

@@ -67,3 +67,12 @@ def test_save_and_load_tokenizer_json(qwen25_tokenizer, tmp_path):
     assert text.endswith("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
     with pytest.raises(FileNotFoundError):
         load_tokenizer(str(tmp_path / "missing"))
+
+
+def test_a_directory_without_tokenizer_files_says_so(tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(FileNotFoundError, match=rf"{tmp_path}: no tokenizer in this directory \(looked for "
+                                                r"tokenizer\.json, vocab\.json\)"):
+        load_tokenizer(str(tmp_path))
+    with pytest.raises(FileNotFoundError, match="tokenizer directory not found"):
+        load_tokenizer(str(tmp_path / "nowhere"))

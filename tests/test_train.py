@@ -2,6 +2,8 @@
 
 import json
 import os
+import re
+import signal
 import socket
 import subprocess
 import sys
@@ -96,6 +98,8 @@ def test_three_steps_then_kill_and_resume_exactly(warm_model, tmp_path):
     assert sorted(os.listdir(b / "ckpt")) == ["1", "2"]
     resumed = _train(b, warm_model)
     assert "resumed from step 2" in resumed.stdout
+    lines = [json.loads(x) for x in (b / "metrics.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in lines if x["split"] == "train"] == [1, 2, 3]
     pa, pb = _params(a, 3, warm_model), _params(b, 3, warm_model)
     for x, y in zip(pa, pb):
         np.testing.assert_array_equal(x, y)
@@ -153,9 +157,9 @@ def test_config_overrides_and_unknown_field(tmp_path):
     cfg = json.loads((run / "config.json").read_text())
     assert cfg["rollout"]["group_size"] == 3 and cfg["rl"]["clip_eps_high"] == 0.28
     bad = subprocess.run([sys.executable, "-m", "sem_jax.train", f"--config.run_dir={run}",
-                          "--config.rl.no_such_field=1"], capture_output=True, text=True, timeout=300, cwd=REPO)
-    assert bad.returncode != 0
-    assert "no_such_field" in bad.stderr
+                          "--config.rl.bta=1"], capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert bad.returncode != 0 and "Traceback" not in bad.stderr
+    assert bad.stderr.strip().splitlines()[-1].startswith("unknown config field 'rl.bta'; did you mean rl.beta")
     bad_reward = subprocess.run([sys.executable, "-m", "sem_jax.train", f"--config.run_dir={run}",
                                  "--config.reward=nope", "--config.train.total_steps=0"],
                                 capture_output=True, text=True, timeout=300, cwd=REPO)
@@ -171,3 +175,57 @@ def test_a_start_below_the_format_threshold_warns_with_the_reasons(capsys):
     assert "WARNING: at step 0 only 10%" in out and "sem format" in out
     assert "rejected as no_tags 60%, must_start_with_think_then_answer 30%." in out  # most common first
     assert check_start_validity({"valid": 0.25}, 0.25, "sem") and capsys.readouterr().out == ""
+
+
+def test_a_resume_rewinds_metrics_to_the_restored_step(tmp_path):
+    from sem_jax.metrics import rewind_jsonl
+    path = tmp_path / "metrics.jsonl"
+    rows = [{"step": s, "split": split} for s in range(6) for split in ("train", "eval")]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows[:7]) + "not json\n" +
+                    "".join(json.dumps(r) + "\n" for r in rows[7:]))
+    assert rewind_jsonl(str(path), 3) == 4
+    kept = path.read_text().splitlines()
+    assert kept[-1] == json.dumps(rows[7]) and "not json" in kept
+    assert [json.loads(x)["step"] for x in kept if x != "not json"] == [0, 0, 1, 1, 2, 2, 3, 3]
+    assert rewind_jsonl(str(path), 3) == 0 and rewind_jsonl(str(tmp_path / "none.jsonl"), 0) == 0
+
+
+def test_sigterm_finishes_the_step_saves_and_exits_cleanly(warm_model, tmp_path):
+    run = tmp_path / "r"
+    cmd = _cmd(run, warm_model, "--config.train.total_steps=50", "--config.train.ckpt_every=100",
+               "--config.train.eval_at_start=False", "--config.rl.beta=0.0")
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO, env=_env())
+    out = []
+    for line in proc.stdout:
+        out.append(line)
+        if line.startswith("[train 1/50"):
+            proc.send_signal(signal.SIGTERM)
+            break
+    rest, _ = proc.communicate(timeout=300)
+    text = "".join(out) + rest
+    assert proc.returncode == 0, text[-3000:]
+    saved = int(re.search(r"SIGTERM: saved step (\d+), exiting", text).group(1))
+    assert 1 <= saved < 50 and sorted(os.listdir(run / "ckpt")) == [str(saved)]  # no checkpoint was due
+    lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in lines if x["split"] == "train"] == list(range(1, saved + 1))
+    resumed = _train(run, warm_model, f"--config.train.total_steps={saved + 1}", "--config.train.eval_at_start=False",
+                     "--config.rl.beta=0.0")
+    assert f"resumed from step {saved}" in resumed.stdout
+
+
+def test_one_trainer_per_run_dir_and_a_dead_holders_lock_is_taken_over(tmp_path, capsys):
+    from sem_jax.run_lock import RunLock, RunLocked
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from sem_jax.run_lock import RunLock; "
+                               f"RunLock({str(tmp_path)!r}).acquire(); print('held', flush=True); time.sleep(120)"],
+                              stdout=subprocess.PIPE, text=True, cwd=REPO)
+    assert holder.stdout.readline().strip() == "held"
+    with pytest.raises(RunLocked, match=rf"another trainer holds this run directory \(host {socket.gethostname()}, "
+                                        rf"pid {holder.pid}, since "):
+        RunLock(str(tmp_path)).acquire()
+    holder.kill()
+    holder.wait()
+    with RunLock(str(tmp_path)):
+        assert f"taking over the lock of a trainer that is gone (host {socket.gethostname()}, pid {holder.pid}" in \
+            capsys.readouterr().out
+    with RunLock(str(tmp_path)):  # released cleanly: nothing to take over
+        assert "taking over" not in capsys.readouterr().out

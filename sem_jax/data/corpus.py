@@ -26,11 +26,19 @@ def corpus_from_datasets(musique: Sequence[str] = (), hotpotqa: Sequence[str] = 
     out = []
     for paths, extract in ((musique, _musique_passages), (hotpotqa, _hotpot_passages)):
         for path in paths:
-            for row in read_rows(path):
+            rows, broken, first, before = 0, 0, None, len(out)
+            for where, row in read_rows(path):
+                rows += 1
+                if isinstance(row, ValueError):
+                    broken += 1
+                    first = first or f"{where}: {row}"
+                    continue
                 for title, text in extract(row):
                     if text and (title, text) not in seen:
                         seen.add((title, text))
                         out.append({"id": str(len(out)), "title": title, "text": text})
+            print(f"{path}: {rows} rows read, {broken} broken and skipped"
+                  + (f" (first: {first})" if first else "") + f", {len(out) - before} new passages", flush=True)
     if not out:
         raise ValueError(f"no passages found in musique={list(musique)} hotpotqa={list(hotpotqa)}")
     return out

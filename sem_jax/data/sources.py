@@ -8,14 +8,15 @@ file with no usable row is an error.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import string
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from sem_jax.data.example import Example
-from sem_jax.rows import parse_rows
+from sem_jax.rows import jsonl_lines, parse_rows
 
 MMLU_CSV_COLUMNS = ["question", "A", "B", "C", "D", "answer"]
 
@@ -75,24 +76,46 @@ ADAPTERS: dict[str, Callable[[dict, int], Example | None]] = {
 EXTENSIONS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
 
 
-def read_rows(spec: str, split: str = "train", **hub_kwargs) -> Iterable[dict]:
-    """Rows of a local file (by extension) or, when `spec` is no local path, a hub data set."""
+def read_rows(spec: str, split: str = "train", **hub_kwargs) -> Iterator[tuple[str, Any]]:
+    """(where, row) for the rows of a local file (by extension) or, when `spec` is no local path,
+    a hub data set. A local JSON Lines file is read line by line: a line that is not JSON or not
+    UTF-8 comes as a ValueError (a broken row, which `parse_rows` counts and skips) instead of
+    failing the file."""
     import datasets
 
     if os.path.exists(spec):
         ext = os.path.splitext(spec)[1].lower()
         if ext not in EXTENSIONS:
             raise ValueError(f"{spec}: unsupported file type {ext!r} (json, jsonl, parquet, csv)")
+        if ext in (".json", ".jsonl") and not _json_array(spec):
+            for where, line in jsonl_lines(spec):
+                yield where, line if isinstance(line, ValueError) else _json_row(line)
+            return
         kw = {}
         if ext == ".csv":
-            with open(spec, encoding="utf-8") as fh:
+            with open(spec, encoding="utf-8-sig", errors="replace") as fh:
                 first = fh.readline()
             if not first.lower().startswith("question"):  # MMLU's per-subject files have no header
                 kw = {"column_names": MMLU_CSV_COLUMNS}
         ds = datasets.load_dataset(EXTENSIONS[ext], data_files=spec, split="train", **kw)
     else:
         ds = datasets.load_dataset(spec, split=split, **hub_kwargs)
-    return ds
+    for i, row in enumerate(ds):
+        yield f"{spec}: row {i}", row
+
+
+def _json_array(path: str) -> bool:
+    """Whether a .json file holds one JSON array (HotpotQA's layout) rather than JSON Lines."""
+    with open(path, "rb") as fh:
+        head = fh.read(4096).removeprefix(b"\xef\xbb\xbf").lstrip()
+    return head.startswith(b"[")
+
+
+def _json_row(line: str) -> Any:
+    try:
+        return json.loads(line)
+    except ValueError as e:
+        return ValueError(f"not JSON ({e})")
 
 
 def load_source(name: str, spec: str, split: str = "train", limit: int | None = None,
@@ -101,5 +124,6 @@ def load_source(name: str, spec: str, split: str = "train", limit: int | None = 
     if name not in ADAPTERS:
         raise ValueError(f"unknown data set {name!r}; choose one of {sorted(ADAPTERS)}")
     adapter = ADAPTERS[name]
-    rows = ((f"row {i}", (i, row)) for i, row in enumerate(read_rows(spec, split, **hub_kwargs)))
+    rows = ((where, row if isinstance(row, ValueError) else (i, row))
+            for i, (where, row) in enumerate(read_rows(spec, split, **hub_kwargs)))
     return parse_rows(rows, lambda item, where: adapter(item[1], item[0]), source=f"{spec} ({name})", limit=limit)

@@ -15,13 +15,15 @@ import os
 from absl import app
 from ml_collections import config_flags
 
+from sem_jax.config import one_line_config_errors, parse_flags
 from sem_jax.demo.stage import prepare
 from sem_jax.train import cli
 
 DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
                               "configs", "demo_cpu.py")
-_CONFIG = config_flags.DEFINE_config_file("config", DEFAULT_CONFIG, "Demo config file (ml_collections).",
-                                          lock_config=True)
+with one_line_config_errors(DEFAULT_CONFIG):
+    _CONFIG = config_flags.DEFINE_config_file("config", DEFAULT_CONFIG, "Demo config file (ml_collections).",
+                                              lock_config=True)
 
 if __name__ == "__main__":
-    app.run(lambda argv: cli(argv, _CONFIG.value, prepare))
+    app.run(lambda argv: cli(argv, _CONFIG.value, prepare), flags_parser=parse_flags)

@@ -41,6 +41,14 @@ class SafetensorsFile:
         self.metadata = header.pop("__metadata__", {}) or {}
         self.header = header
         self._offset = 8 + n
+        # A truncated file (an interrupted copy or download) is refused whole, naming the first
+        # tensor it cuts, before any of it is read.
+        size = os.path.getsize(path)
+        for name, info in sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][1]):
+            start, end = info["data_offsets"]
+            if self._offset + end > size:
+                raise ValueError(f"{path}: truncated: tensor {name!r} needs bytes {self._offset + start}..{self._offset + end} "
+                                 f"of the file, which has {size} ({self._offset + end - size} missing)")
         self._mmap = np.memmap(path, dtype=np.uint8, mode="r")
 
     def keys(self) -> list[str]:
@@ -57,8 +65,13 @@ class SafetensorsFile:
         if info["dtype"] not in DTYPES:
             raise ValueError(f"{self.path}: tensor {name!r} has unsupported dtype {info['dtype']}")
         start, end = info["data_offsets"]
+        dtype = DTYPES[info["dtype"]]
+        want = int(np.prod(info["shape"], dtype=np.int64)) * dtype.itemsize
+        if end - start != want:
+            raise ValueError(f"{self.path}: tensor {name!r} ({info['dtype']}{list(info['shape'])}) needs {want} bytes, "
+                             f"its header gives it {end - start}")
         buf = self._mmap[self._offset + start:self._offset + end]
-        return buf.view(DTYPES[info["dtype"]]).reshape(info["shape"])
+        return buf.view(dtype).reshape(info["shape"])
 
 
 def write_safetensors(path: str, tensors: Iterable[tuple[str, tuple[int, ...], np.dtype]],

@@ -41,11 +41,21 @@ QWEN25_CHAT_TEMPLATE = (
 )
 
 
+# A fast tokenizer, or the files a Qwen2 slow tokenizer is built from.
+TOKENIZER_FILES = ("tokenizer.json", "vocab.json")
+
+
 def load_tokenizer(path: str) -> PreTrainedTokenizerFast:
     """Load the tokenizer saved in a local model directory (never remote code, never the hub)."""
     if not os.path.isdir(path):
         raise FileNotFoundError(f"{path}: tokenizer directory not found")
-    return AutoTokenizer.from_pretrained(path, trust_remote_code=False, local_files_only=True)
+    if not any(os.path.exists(os.path.join(path, f)) for f in TOKENIZER_FILES):
+        raise FileNotFoundError(f"{path}: no tokenizer in this directory (looked for {', '.join(TOKENIZER_FILES)}); "
+                                "copy the model's tokenizer files there, or point model.tokenizer at them")
+    tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=False, local_files_only=True)
+    if len(tokenizer) == 0:
+        raise ValueError(f"{path}: the tokenizer files there define an empty vocabulary")
+    return tokenizer
 
 
 def qwen25_ranks_file() -> str:

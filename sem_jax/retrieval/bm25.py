@@ -13,6 +13,8 @@ import os
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+import numpy as np
+
 from sem_jax.rows import jsonl_lines, parse_rows
 
 
@@ -106,6 +108,7 @@ class Retriever:
             settings = json.load(fh)
         if settings.get("format") != FORMAT:
             raise ValueError(f"{meta}: format {settings.get('format')!r}, expected {FORMAT!r}")
+        check_index(index_dir, int(settings["num_docs"]))
         bm25 = bm25s.BM25.load(index_dir, load_corpus=True, mmap=mmap, show_progress=False)
         # We look passages up ourselves; with a corpus attached bm25s returns documents, not ids.
         corpus, bm25.corpus = bm25.corpus, None
@@ -151,3 +154,51 @@ def _stemmer(language: str | None):
         return None
     import Stemmer
     return Stemmer.Stemmer(language)
+
+
+INDEX_ARRAYS = ("data.csc.index.npy", "indices.csc.index.npy", "indptr.csc.index.npy")
+INDEX_JSON = ("params.index.json", "vocab.index.json", "corpus.mmindex.json")
+
+
+def check_index(index_dir: str, num_docs: int) -> None:
+    """The saved index whole, before bm25s reads it: every file there, the arrays' lengths
+    consistent with each other, the vocabulary and the corpus, so that a missing or cut file is
+    named at load instead of failing at the first search."""
+    missing = [f for f in (*INDEX_ARRAYS, *INDEX_JSON, "corpus.jsonl") if not os.path.exists(os.path.join(index_dir, f))]
+    if missing:
+        raise FileNotFoundError(f"{index_dir}: incomplete index, missing {', '.join(missing)} (rebuild it with "
+                                "scripts/build_index.py)")
+    arrays, docs = {}, {}
+    for name in INDEX_ARRAYS:
+        try:
+            arrays[name] = np.load(os.path.join(index_dir, name), mmap_mode="r")
+        except (ValueError, OSError, EOFError) as e:
+            raise ValueError(f"{os.path.join(index_dir, name)}: unreadable or truncated ({e})") from None
+    for name in INDEX_JSON:
+        try:
+            with open(os.path.join(index_dir, name)) as fh:
+                docs[name] = json.load(fh)
+        except (ValueError, UnicodeDecodeError) as e:
+            raise ValueError(f"{os.path.join(index_dir, name)}: unreadable or truncated ({e})") from None
+    data, indices, indptr = (arrays[n] for n in INDEX_ARRAYS)
+    where = f"{index_dir}: inconsistent index"
+    if not (len(data) == len(indices) == int(indptr[-1])):
+        raise ValueError(f"{where}: {len(data)} scores, {len(indices)} document ids and {int(indptr[-1])} in "
+                         "indptr (a truncated array)")
+    if len(indptr) != len(docs["vocab.index.json"]):  # bm25s: one column per vocabulary id
+        raise ValueError(f"{where}: indptr has {len(indptr)} entries for a vocabulary of "
+                         f"{len(docs['vocab.index.json'])} (vocab.index.json)")
+    offsets = docs["corpus.mmindex.json"]
+    if docs["params.index.json"].get("num_docs") != num_docs or len(offsets) != num_docs:
+        raise ValueError(f"{where}: sem_jax_index.json says {num_docs} passages, params.index.json "
+                         f"{docs['params.index.json'].get('num_docs')}, corpus.mmindex.json {len(offsets)}")
+    corpus = os.path.join(index_dir, "corpus.jsonl")
+    if offsets:  # the last passage is whole
+        with open(corpus, "rb") as fh:
+            fh.seek(offsets[-1])
+            last = fh.read()
+        try:
+            json.loads(last)
+        except ValueError:
+            raise ValueError(f"{corpus}: truncated ({os.path.getsize(corpus)} bytes; passage {num_docs - 1} at byte "
+                             f"{offsets[-1]} is not a whole row)") from None

@@ -1,5 +1,6 @@
 """The jitted GRPO update: micro-batched gradients, AdamW, global-norm clipping, and a
-non-finite guard that skips (and counts) a bad step instead of applying it."""
+non-finite guard that skips (and counts) a bad step instead of applying it. The same update
+with a supervised objective is the format warm start (`sem_jax.sft`)."""
 
 from __future__ import annotations
 
@@ -18,8 +19,10 @@ from sem_jax.model.qwen2 import per_layer_default
 from sem_jax.rl.loss import GRPOConfig, grpo_loss, token_logprobs
 from sem_jax.sharding import put
 
-# What `token_logprobs` reads from a batch; "start" (a response window per row, `build_batch`) is optional.
-LOGPROB_KEYS = ("inputs", "targets", "start")
+# What `token_logprobs` reads from a batch; "start" (a response window per row, `build_batch`) and
+# "segment_ids" (packed supervised rows, `sft.pack`) are optional.
+LOGPROB_KEYS = ("inputs", "targets", "start", "segment_ids")
+OBJECTIVES = ("grpo", "nll")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,7 +32,7 @@ class OptimConfig:
     b1: float = 0.9
     b2: float = 0.999
     eps: float = 1e-8
-    grad_clip: float = 1.0
+    grad_clip: float = 1.0          # global norm; 0: no clipping
     warmup_steps: int = 0
     schedule: str = "constant"  # or "cosine" (to 0 at total_steps)
     total_steps: int = 1000
@@ -49,9 +52,8 @@ def learning_rate(cfg: OptimConfig) -> optax.Schedule:
 
 
 def make_optimizer(cfg: OptimConfig) -> optax.GradientTransformation:
-    sched = learning_rate(cfg)
-    return optax.chain(optax.clip_by_global_norm(cfg.grad_clip),
-                       optax.adamw(sched, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay))
+    adamw = optax.adamw(learning_rate(cfg), b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay)
+    return optax.chain(optax.clip_by_global_norm(cfg.grad_clip), adamw) if cfg.grad_clip else adamw
 
 
 def _micro(batch: dict[str, jax.Array], size: int, unit: int = 1) -> dict[str, jax.Array]:
@@ -84,10 +86,18 @@ class GRPOTrainer:
     prompt once (`token_logprobs(group=)`), `share` being the largest divisor of G that also
     divides the rows each of the `shards` batch shards holds in a micro-batch (a run never spans
     devices); the row count of a batch must be a multiple of `share` on every process.
+
+    `objective="nll"`: the mean negative log-likelihood of the masked targets instead of GRPO's
+    loss (no advantages, old or sampler log-probs), with the same micro-batching, optimizer and
+    guard: the supervised warm start (`sem_jax.sft`), on the same meshes as training.
     """
 
     def __init__(self, model: Any, grpo: GRPOConfig, optim: OptimConfig, *, micro_batch: int,
-                 logprob_chunk: int = 128, per_layer: bool | None = None, group_size: int = 1, shards: int = 1):
+                 logprob_chunk: int = 128, per_layer: bool | None = None, group_size: int = 1, shards: int = 1,
+                 objective: str = "grpo"):
+        if objective not in OBJECTIVES:
+            raise ValueError(f"objective={objective!r}; choose one of {OBJECTIVES}")
+        self.objective = objective
         self.graphdef, _ = nnx.split(model)
         self.grpo, self.micro_batch, self.chunk = grpo, micro_batch, logprob_chunk
         self.share = math.gcd(micro_batch // shards, group_size) if micro_batch % shards == 0 else 1
@@ -118,15 +128,20 @@ class GRPOTrainer:
     def _token_logprobs(self, params, mb):
         start = mb.get("start")
         return token_logprobs(nnx.merge(self.graphdef, params), mb["inputs"], mb["targets"], self.chunk,
-                              per_layer=self.per_layer, start=start, group=1 if start is None else self.share)
+                              segment_ids=mb.get("segment_ids"), per_layer=self.per_layer, start=start,
+                              group=1 if start is None else self.share)
 
     def _update(self, params, opt_state, batch, ref_logprobs):
         def loss_fn(p, mb):
             lp, ent = self._token_logprobs(p, mb)
+            m = mb["mask"]
+            if self.objective == "nll":  # token mean over the whole batch, as one big batch would give
+                zero = jnp.float32(0)
+                stats = dict(kl=zero, clip_frac=zero, tokens=jnp.sum(m), entropy=jnp.sum(ent * m), sampler_gap=zero)
+                return -jnp.sum(lp * m), (jnp.sum(m), stats)
             old = mb["old_logprobs"] if "old_logprobs" in mb else jax.lax.stop_gradient(lp)
             loss_sum, count, stats = grpo_loss(lp, old, mb.get("ref_logprobs"), mb["advantages"], mb["mask"],
                                                self.grpo)
-            m = mb["mask"]
             stats = dict(stats, entropy=jnp.sum(ent * m),
                          sampler_gap=jnp.sum(jnp.abs(jax.lax.stop_gradient(lp) - mb["sampler_logprobs"]) * m))
             return loss_sum, (count, stats)
@@ -174,5 +189,5 @@ class GRPOTrainer:
 
     def update(self, params, opt_state, batch: dict[str, Any], ref_logprobs=None):
         """One optimizer step over all micro-batches. Donates params and opt_state."""
-        keys = (*LOGPROB_KEYS, "mask", "advantages", "sampler_logprobs", "old_logprobs")
+        keys = (*LOGPROB_KEYS, "mask", "advantages", "sampler_logprobs", "old_logprobs")  # those it has
         return self.update_fn(params, opt_state, {k: batch[k] for k in keys if k in batch}, ref_logprobs)
