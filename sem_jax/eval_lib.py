@@ -38,6 +38,13 @@ def invalid_reasons(records: Sequence[dict]) -> Counter:
     return Counter(r["reason"] for r in records if not r["valid"])
 
 
+def top_reasons(scores: dict[str, float], n: int) -> str:
+    """The `n` commonest `invalid/...` shares of `aggregate`'s scores: "no_tags 60%, ..."."""
+    reasons = sorted(((k.removeprefix("invalid/"), v) for k, v in scores.items() if k.startswith("invalid/")),
+                     key=lambda kv: -kv[1])
+    return ", ".join(f"{k} {100 * v:.0f}%" for k, v in reasons[:n])
+
+
 def aggregate(records: Sequence[dict]) -> dict[str, float]:
     """Means overall and per source: em, f1, search_ratio (share with >= 1 search), searches/question,
     response tokens, the share of valid responses and of responses cut by the budget (`length`);

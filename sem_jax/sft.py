@@ -30,6 +30,7 @@ from jax.sharding import Mesh
 from ml_collections import ConfigDict, config_flags
 
 from sem_jax.config import parse_flags
+from sem_jax.eval_lib import aggregate, run_mode, top_reasons
 from sem_jax.model.qwen2 import Qwen2
 from sem_jax.rl.loss import GRPOConfig
 from sem_jax.rl.trainer import GRPOTrainer, OptimConfig
@@ -166,7 +167,6 @@ def supervised_finetune(model: Qwen2, pairs: Sequence[Pair], *, steps: int, lr: 
 
 def format_scores(sampler, tokenizer, retriever, examples, s, batch_size: int, mesh: Mesh) -> dict[str, float]:
     """Greedy policy-mode scores (validity, EM, search ratio, parser reasons) on `examples`."""
-    from sem_jax.eval_lib import aggregate, run_mode
     with jax.set_mesh(mesh):
         records = run_mode("policy", sampler, tokenizer, retriever, examples, s.rollout, batch_size, s.system_prompt,
                            s.protocol)
@@ -230,11 +230,9 @@ def finetune(config: ConfigDict, out: str, *, overwrite: bool = False, dtype: st
 
 
 def _scores_line(when: str, m: dict[str, float], n: int) -> str:
-    reasons = sorted(((k.removeprefix("invalid/"), v) for k, v in m.items() if k.startswith("invalid/")),
-                     key=lambda kv: -kv[1])
+    reasons = top_reasons(m, 3)
     return (f"{when} the warm start, {n} held-out questions: valid {100 * m['valid']:.0f}%, EM {100 * m['em']:.1f}, "
-            f"search ratio {100 * m['search_ratio']:.0f}%"
-            + (f"; invalid: {', '.join(f'{k} {100 * v:.0f}%' for k, v in reasons[:3])}" if reasons else ""))
+            f"search ratio {100 * m['search_ratio']:.0f}%" + (f"; invalid: {reasons}" if reasons else ""))
 
 
 def define_flags():

@@ -35,7 +35,7 @@ from sem_jax.config import one_line_config_errors, parse_flags
 from sem_jax.data.example import Example
 from sem_jax.distributed import initialize as initialize_distributed
 from sem_jax.distributed import started as distributed_started
-from sem_jax.eval_lib import RECORD_KEYS, aggregate, run_mode, score_trajectory
+from sem_jax.eval_lib import RECORD_KEYS, aggregate, run_mode, score_trajectory, top_reasons
 from sem_jax.hosts import agree_max, check_shared_dir, gather_json, to_global
 from sem_jax.metrics import MetricWriter
 from sem_jax.model import Qwen2Config
@@ -220,11 +220,8 @@ def check_start_validity(scores: dict[str, float], threshold: float, protocol: s
     tie and GRPO has nothing to learn from. Returns whether validity reached `threshold`."""
     if scores["valid"] >= threshold:
         return True
-    reasons = sorted(((k.removeprefix("invalid/"), v) for k, v in scores.items() if k.startswith("invalid/")),
-                     key=lambda kv: -kv[1])
     print(f"WARNING: at step 0 only {100 * scores['valid']:.0f}% of the initial policy's held-out responses follow "
-          f"the {protocol} format (train.min_start_valid={threshold}); rejected as "
-          + ", ".join(f"{k} {100 * v:.0f}%" for k, v in reasons[:4])
+          f"the {protocol} format (train.min_start_valid={threshold}); rejected as {top_reasons(scores, 4)}"
           + ". Groups whose rewards all tie (groups/tied) give GRPO no signal: warm-start the format with "
           "supervised traces first (sem_jax.sft), or show it in the prompt (--config.prompt_example=True).",
           flush=True)
