@@ -12,6 +12,7 @@ import jax
 import numpy as np
 
 from sem_jax.data.example import Example
+from sem_jax.hosts import agree_max, gather_json
 from sem_jax.protocol import SEM, Protocol
 from sem_jax.sampling.rollout import RolloutConfig, Trajectory, rollout
 from sem_jax.sem.scoring import score_answer
@@ -97,3 +98,17 @@ def run_mode(mode: str, sampler, tokenizer, retriever, examples: Sequence[Exampl
                 rec["searches"] = 1  # it always retrieves (before answering)
             records.append(rec)
     return records
+
+
+def policy_scores(sampler, tokenizer, retriever, examples: Sequence[Example], cfg: RolloutConfig, batch_size: int,
+                  system_prompt: str, protocol: Protocol, mesh) -> dict[str, float]:
+    """Greedy policy-mode scores of all processes' held-out questions, each process giving its
+    share `examples`, padded to the same count (the same device calls everywhere); the sampler's
+    weights are released after."""
+    n = agree_max(len(examples))
+    padded = list(examples) + [examples[-1]] * (n - len(examples))
+    with jax.set_mesh(mesh):
+        records = run_mode("policy", sampler, tokenizer, retriever, padded, cfg, batch_size, system_prompt,
+                           protocol)[:len(examples)]
+    sampler.release()
+    return aggregate(sum(gather_json([{k: r[k] for k in RECORD_KEYS} for r in records]), []))

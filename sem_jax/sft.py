@@ -30,7 +30,7 @@ from jax.sharding import Mesh
 from ml_collections import ConfigDict, config_flags
 
 from sem_jax.config import parse_flags
-from sem_jax.eval_lib import aggregate, run_mode, top_reasons
+from sem_jax.eval_lib import policy_scores, top_reasons
 from sem_jax.model.qwen2 import Qwen2
 from sem_jax.rl.loss import GRPOConfig
 from sem_jax.rl.trainer import GRPOTrainer, OptimConfig
@@ -165,20 +165,12 @@ def supervised_finetune(model: Qwen2, pairs: Sequence[Pair], *, steps: int, lr: 
 
 # -- the command line's stage ---------------------------------------------------------------
 
-def format_scores(sampler, tokenizer, retriever, examples, s, batch_size: int, mesh: Mesh) -> dict[str, float]:
-    """Greedy policy-mode scores (validity, EM, search ratio, parser reasons) on `examples`."""
-    with jax.set_mesh(mesh):
-        records = run_mode("policy", sampler, tokenizer, retriever, examples, s.rollout, batch_size, s.system_prompt,
-                           s.protocol)
-    sampler.release()
-    return aggregate(records)
-
-
 def finetune(config: ConfigDict, out: str, *, overwrite: bool = False, dtype: str | None = None) -> dict[str, Any]:
     """The warm start as `config.sft` says, from `config.model.path` to the HF directory `out`;
     returns the report written there (`sem_jax_sft.json`)."""
     from sem_jax.assemble import (build_mesh, build_policy, build_retriever, build_sampler, cap_prompts,
                                   check_positions, settings)
+    from sem_jax.data.mix import process_share
     from sem_jax.data.questions import load_questions
     from sem_jax.export import check_out_dir, write_hf_dir
     from sem_jax.traces import build_traces
@@ -205,13 +197,20 @@ def finetune(config: ConfigDict, out: str, *, overwrite: bool = False, dtype: st
     print(f"warm start: {stats.summary()}", flush=True)
     report: dict[str, Any] = {"source": os.path.abspath(config.model.path), "traces": stats.__dict__,
                               "sft": f.to_dict(), "system_prompt": s.system_prompt}
-    sampler = eval_set = None
     if f.eval:
-        eval_set = cap(config.data.eval_file)[:config.data.eval_questions]
+        eval_all = cap(config.data.eval_file)[:config.data.eval_questions]
+        eval_set = process_share(eval_all, jax.process_index(), jax.process_count())  # as training evaluates
+        if not eval_set:
+            raise ValueError(f"{jax.process_count()} processes need at least as many eval questions "
+                             "(data.eval_questions)")
         sampler = build_sampler(model, tokenizer, s.greedy, config, s.protocol, mesh=mesh)
-        batch = config.data.prompts_per_step * config.rollout.group_size
-        report["before"] = format_scores(sampler, tokenizer, retriever, eval_set, s, batch, mesh)
-        print(_scores_line("before", report["before"], len(eval_set)), flush=True)
+        batch = max(1, config.data.prompts_per_step // jax.process_count()) * config.rollout.group_size
+
+        def score(when: str) -> None:
+            report[when] = policy_scores(sampler, tokenizer, retriever, eval_set, s.rollout, batch, s.system_prompt,
+                                         s.protocol, mesh)
+            print(_scores_line(when, report[when], len(eval_all)), flush=True)
+        score("before")
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     t_train = time.perf_counter()
     losses = supervised_finetune(model, pairs, steps=f.steps, lr=f.lr, rows=f.rows, width=f.width or None,
@@ -221,8 +220,7 @@ def finetune(config: ConfigDict, out: str, *, overwrite: bool = False, dtype: st
     report.update(losses=[round(x, 5) for x in losses], train_seconds=round(time.perf_counter() - t_train, 1))
     if f.eval:
         sampler.set_params(nnx.split(model)[1])
-        report["after"] = format_scores(sampler, tokenizer, retriever, eval_set, s, batch, mesh)
-        print(_scores_line("after", report["after"], len(eval_set)), flush=True)
+        score("after")
     report["seconds"] = round(time.perf_counter() - t_start, 1)
     write_hf_dir(model, tokenizer, out, dtype=dtype, overwrite=overwrite, extra={"sem_jax_sft.json": report})
     print(f"wrote {out} ({report['seconds']:.0f}s); train on it with --config.model.path={out}", flush=True)

@@ -17,7 +17,6 @@ them, and carry no loss.
 from __future__ import annotations
 
 import dataclasses
-from collections import Counter
 from collections.abc import Sequence
 
 import numpy as np
@@ -96,9 +95,8 @@ def build_traces(examples: Sequence[Example], tokenizer, retriever, protocol: Pr
             picks.append(pools[needs][order.pop()])
     queries = [e.question for e in picks if e.needs_search]
     hits = iter(retriever.search(queries, top_k) if queries else [])
-    pairs, found, used = [], 0, Counter()
+    pairs, found = [], 0
     for ex in picks:
-        used[ex.id] += 1
         if ex.needs_search:
             passages = next(hits)
             block = protocol.format_results(passages, tokenizer, max_tokens_per_passage)
@@ -110,5 +108,5 @@ def build_traces(examples: Sequence[Example], tokenizer, retriever, protocol: Pr
         segments[-1] = (segments[-1][0] + eos, True)  # the response ends as the rollout's does
         pairs.append((protocol.encode_prompt(tokenizer, ex, system_prompt), [(enc(t), k) for t, k in segments]))
     order = rng.permutation(len(pairs))
-    return [pairs[i] for i in order], TraceStats(direct=count - n_search, search=n_search, questions=len(used),
+    return [pairs[i] for i in order], TraceStats(direct=count - n_search, search=n_search, questions=len({e.id for e in picks}),
                                                  answer_in_results=found)

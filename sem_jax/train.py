@@ -35,7 +35,7 @@ from sem_jax.config import one_line_config_errors, parse_flags
 from sem_jax.data.example import Example
 from sem_jax.distributed import initialize as initialize_distributed
 from sem_jax.distributed import started as distributed_started
-from sem_jax.eval_lib import RECORD_KEYS, aggregate, run_mode, score_trajectory, top_reasons
+from sem_jax.eval_lib import RECORD_KEYS, aggregate, policy_scores, score_trajectory, top_reasons
 from sem_jax.hosts import agree_max, check_shared_dir, gather_json, to_global
 from sem_jax.metrics import MetricWriter
 from sem_jax.model import Qwen2Config
@@ -201,16 +201,9 @@ def step_metrics(run: Run, state: TrainState, scored: Scored, m: dict, host: dic
 def evaluate_policy(run: Run, state: TrainState) -> dict[str, float]:
     """Greedy evaluation on the held-out questions, every process its share."""
     run.greedy.set_params(state.params)
-    # Every process evaluates its share, padded to the same count (same device calls).
-    eval_set = run.eval_set
-    n = agree_max(len(eval_set))
-    padded = eval_set + [eval_set[-1]] * (n - len(eval_set))
     s = run.settings
-    with jax.set_mesh(run.mesh):
-        records = run_mode("policy", run.greedy, run.tokenizer, run.retriever, padded, s.rollout,
-                           run.per_host * s.rollout.group_size, s.system_prompt, s.protocol)[:len(eval_set)]
-    run.greedy.release()
-    scores = aggregate(sum(gather_json([{k: r[k] for k in RECORD_KEYS} for r in records]), []))
+    scores = policy_scores(run.greedy, run.tokenizer, run.retriever, run.eval_set, s.rollout,
+                           run.per_host * s.rollout.group_size, s.system_prompt, s.protocol, run.mesh)
     run.calls.check(f"eval at step {state.step}")
     return scores
 
@@ -237,9 +230,8 @@ class StopSignals:
     def __init__(self):
         self.received: int | None = None
         # Handlers can only be set from the main thread (a run started from a thread keeps the defaults).
-        self.installed = not distributed_started() and threading.current_thread() is threading.main_thread()
         self.previous = {}
-        if self.installed:
+        if not distributed_started() and threading.current_thread() is threading.main_thread():
             self.previous = {s: signal.signal(s, self._handle) for s in (signal.SIGTERM, signal.SIGINT)}
 
     def __enter__(self) -> "StopSignals":
