@@ -58,3 +58,14 @@ class ScriptedPolicy(nnx.Module):
     def extend(self, tokens, cache, num_new=None, window=None, layers=None):
         hidden, cache = self.hidden_states(tokens, cache=cache, num_new=num_new)
         return self.logits(hidden), cache
+
+
+def packing_case(seed: int, count: int):
+    """A small untied Qwen2 over 64 ids and `count` random supervised pairs for it: a prompt,
+    a trained segment and an untrained one (an inserted result), of varied lengths."""
+    cfg = Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
+                      tie_word_embeddings=False, bos_token_id=None, eos_token_id=1)
+    rng = np.random.RandomState(seed)
+    pairs = [(list(rng.randint(2, 64, rng.randint(3, 9))), [(list(rng.randint(2, 64, rng.randint(2, 7))), True),
+                                                              (list(rng.randint(2, 64, 3)), False)]) for _ in range(count)]
+    return Qwen2(cfg, rngs=nnx.Rngs(0)), pairs

@@ -9,10 +9,9 @@ import sys
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
+from policies import packing_case
 
 from sem_jax.demo.world import PHRASINGS, WorldConfig, build_world, texts, warm_start_pairs
-from sem_jax.model import Qwen2, Qwen2Config
 from sem_jax.model.tokenizer import train_bpe_tokenizer
 from sem_jax.protocol.sem import format_results, parse_response
 from sem_jax.retrieval import Retriever
@@ -104,12 +103,7 @@ def test_warm_start_traces_are_rollout_shaped_and_correct(world):
 
 
 def test_packed_rows_equal_separate_sequences():
-    cfg = Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
-                      tie_word_embeddings=False, bos_token_id=None, eos_token_id=1)
-    model = Qwen2(cfg, rngs=nnx.Rngs(0))
-    rng = np.random.RandomState(0)
-    pairs = [(list(rng.randint(2, 64, rng.randint(3, 9))), [(list(rng.randint(2, 64, rng.randint(2, 7))), True),
-                                                              (list(rng.randint(2, 64, 3)), False)]) for _ in range(7)]
+    model, pairs = packing_case(0, 7)
     d = pack(pairs, 32)
     assert d["segment_ids"].max(axis=1).sum() == len(pairs) and len(d["inputs"]) < len(pairs)
     lp, _ = token_logprobs(model, jnp.asarray(d["inputs"]), jnp.asarray(d["targets"]),

@@ -6,7 +6,6 @@ import os
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 from flax import nnx
 
@@ -14,6 +13,8 @@ from sem_jax.config import cpu_config
 from sem_jax.data.example import Example
 from sem_jax.data.questions import DEMO_DIR, load_questions
 from sem_jax.export import write_hf_dir
+from policies import packing_case
+
 from sem_jax.model import Qwen2, Qwen2Config, from_pretrained, save_pretrained
 from sem_jax.model.tokenizer import load_tokenizer, train_bpe_tokenizer
 from sem_jax.protocol import RESEARCH, SEM
@@ -85,12 +86,7 @@ def test_traces_refuse_what_they_cannot_build(demo, qwen25_tokenizer):
 
 
 def test_nll_objective_is_the_masked_token_mean_in_any_micro_batching():
-    cfg = Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
-                      tie_word_embeddings=False, bos_token_id=None, eos_token_id=1)
-    model = Qwen2(cfg, rngs=nnx.Rngs(0))
-    rng = np.random.RandomState(1)
-    pairs = [(list(rng.randint(2, 64, rng.randint(3, 9))), [(list(rng.randint(2, 64, rng.randint(2, 7))), True),
-                                                              (list(rng.randint(2, 64, 3)), False)]) for _ in range(9)]
+    model, pairs = packing_case(1, 9)
     batch = pack(pairs, 24)
     rows = len(batch["inputs"]) // 2 * 2
     batch = {k: jnp.asarray(v[:rows]) for k, v in batch.items()}
