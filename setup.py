@@ -16,6 +16,7 @@ setup(
         "datasets>=4.0,<6",
         "bm25s>=0.3,<0.4",
         "PyStemmer>=3.1,<4",
+        "scipy>=1.13,<2",
         "ml-collections>=1.1,<2",
         "absl-py>=2.1,<3",
         "safetensors>=0.6,<1",

@@ -27,6 +27,7 @@ def get_config():
     c.run_dir = "runs/real_cpu"
     c.model.path = REAL_MODEL
     c.model.compute_dtype = "float32"    # bf16 matmuls are slow on XLA:CPU
+    c.model.eval_dtype = "float32"
     # Out of the box this model writes the SEM format in none of its answers (every group's rewards
     # then tie); with the worked example, 77% of them on 22 questions.
     c.prompt_example = True

@@ -4,14 +4,17 @@
     python scripts/build_index.py --musique musique_train.jsonl --hotpotqa hotpot_train.json --out index/
 
 Corpus rows are {"id", "title", "text"} or {"id", "contents"}; broken rows are reported and
-skipped. Without --corpus, passages come from MuSiQue paragraphs and HotpotQA contexts,
-deduplicated by title and text.
+skipped; blank texts and repeated ids are refused with their counts (nothing is written). The
+corpus is read in one streaming pass (memory grows with the vocabulary, not with the text), and
+the index is written whole: an earlier index at --out is replaced only once the new one is
+complete. Without --corpus, passages come from MuSiQue paragraphs and HotpotQA contexts (local
+files or hub ids), deduplicated by title and text.
 """
 
 import argparse
 import logging
+import os
 import sys
-import time
 
 
 def main(argv=None) -> int:
@@ -24,23 +27,29 @@ def main(argv=None) -> int:
     ap.add_argument("--stopwords", default="en", help="bm25s stopword list, or '' for none")
     ap.add_argument("--k1", type=float, default=1.5)
     ap.add_argument("--b", type=float, default=0.75)
+    ap.add_argument("--chunk", type=int, default=20_000, help="passages tokenized at a time")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
-    from sem_jax.retrieval import Retriever, read_corpus
+    from sem_jax.retrieval.build import CorpusError, build_index, corpus_passages
 
     if not (args.corpus or args.musique or args.hotpotqa):
         ap.error("give --corpus, or --musique/--hotpotqa to index the data sets' paragraphs")
-    start = time.time()
     if args.corpus:
-        docs = read_corpus(args.corpus)
+        if not os.path.isfile(args.corpus):
+            ap.error(f"--corpus {args.corpus}: no such file")
+        passages, total, source = corpus_passages(args.corpus), None, args.corpus
     else:
         from sem_jax.data.corpus import corpus_from_datasets
         docs = corpus_from_datasets(args.musique, args.hotpotqa)
-    retriever = Retriever.build(docs, stemmer=args.stemmer or None, stopwords=args.stopwords or None,
-                                k1=args.k1, b=args.b)
-    retriever.save(args.out)
-    source = args.corpus or ", ".join(args.musique + args.hotpotqa)
-    print(f"indexed {len(docs)} passages from {source} into {args.out} in {time.time() - start:.1f}s")
+        passages, total = ((f"passage {d['id']}", d) for d in docs), len(docs)
+        source = ", ".join(args.musique + args.hotpotqa)
+    try:
+        stats = build_index(passages, args.out, stemmer=args.stemmer or None, stopwords=args.stopwords or None,
+                            k1=args.k1, b=args.b, chunk=args.chunk, total=total)
+    except CorpusError as e:
+        sys.exit(f"error: {source}: {e}")
+    print(f"indexed {stats['passages']} passages ({stats['vocabulary']} terms, {stats['postings']} postings) from "
+          f"{source} into {args.out} in {stats['seconds']:.1f}s")
     return 0
 
 

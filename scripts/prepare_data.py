@@ -3,7 +3,9 @@
     python scripts/prepare_data.py --musique musique_ans_v1.0_train.jsonl --mmlu mmlu_auxiliary_train.parquet \
         --out data/ --tokenizer /models/Qwen2.5-7B-Instruct [--max_prompt_tokens 256] [--ratio 1.0] [--eval 100]
 
-Each --musique / --mmlu is a local file in the official schema or a hub id. With --tokenizer,
+Each --musique / --mmlu is a local file or directory in a published layout, or a hub id with an
+optional config (`cais/mmlu` reads config all, split auxiliary_train; `cais/mmlu:auxiliary_train`
+its own config's nested rows). With --tokenizer,
 questions whose prompt (the protocol's chat prompt) is over --max_prompt_tokens are skipped and
 counted by source first (MMLU's auxiliary_train holds reading passages of thousands of tokens;
 training skips them too). The mix holds `ratio` MuSiQue questions per MMLU question, shuffled with

@@ -5,7 +5,9 @@
 
 With `jax[tpu]` installed on a CPU host (no TPU needed), builds the topology's devices,
 the config's mesh and shardings, and compiles the GRPO update, the reference log-prob pass
-and the sampler's prefill and decode with abstract inputs at the config's real shapes.
+and the sampler's prefill and decode with abstract inputs at the config's real shapes, and the
+sampler again as `sem_jax.evaluate` runs it (greedy, one row per question, the parameters in
+`model.eval_dtype`).
 Prints per-device memory (arguments, outputs, temporaries) against HBM and FLOPs per call
 (XLA counts every loop body once, the layer scan too: they only compare configs); exits 1
 when something does not fit, including when the TPU compiler itself refuses for lack of HBM.
@@ -149,26 +151,41 @@ def check(config: ConfigDict, topology: str | None = None, hbm_gib: float | None
         ref = arr((rows_n, w), jnp.float32) if s.grpo.beta > 0 else None
         out.append(_compile("grpo update", trainer.update_fn.lower(params, opt, batch, ref))[0])
         if ref is not None:
-            lp_in = {k: batch[k] for k in LOGPROB_KEYS}
+            lp_in = {k: batch[k] for k in LOGPROB_KEYS if k in batch}  # no packed rows in GRPO
             out.append(_compile("reference logprobs", trainer.logprobs_fn.lower(params, lp_in))[0])
         p = config.data.prompts_per_step
-        tp = bucket_length(config.data.max_prompt_tokens)
-        key = jax.eval_shape(lambda: jax.random.key(0))
-        static = dict(group_size=g, cache_len=tp + resp, resp_len=resp, cache_dtype=compute)
-        prompts, lengths = arr((p, tp), jnp.int32), arr((p,), jnp.int32)
-        row, prefill = _compile("sampler prefill", prefill_step.lower(graphdef, params, None, prompts, lengths,
-                                                                      key, **static))
-        out.append(row)
-        if prefill is None:  # the decode loop's input state comes from the prefill
-            return out, hbm
-        state = _abstract(jax.eval_shape(lambda *a: prefill_step(graphdef, *a, **static), params, None, prompts,
-                                         lengths, key), prefill.output_shardings)
-        # The stop automaton's table: one state per byte of the stop strings, plus the start.
-        states = sum(len(x.encode()) for x in s.protocol.stop_strings) + 1
-        table = jax.ShapeDtypeStruct((mcfg.vocab_size, states), jnp.int32)
-        out.append(_compile("sampler decode loop", decode_loop.lower(
-            graphdef, params, None, state, table, jax.ShapeDtypeStruct((2,), jnp.int32),
-            jax.ShapeDtypeStruct((), jnp.int32), cfg=s.sampling, window=tp + resp))[0])
+        out += sampler_rows("sampler", graphdef, params, p, g, config, s, mcfg, mesh, arr)
+        # sem_jax.evaluate: greedy, one row per question, parameters in model.eval_dtype.
+        eval_dtype = jnp.dtype(config.model.eval_dtype or config.model.dtype)
+        eval_graph, eval_state = nnx.split(nnx.eval_shape(lambda: Qwen2(mcfg, rngs=nnx.Rngs(0), param_dtype=eval_dtype,
+                                                                       dtype=compute, remat=config.model.remat)))
+        eval_params = jax.tree.map(lambda a, b: a.replace(jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=b.sharding)),
+                                   eval_state, params, is_leaf=lambda x: isinstance(x, nnx.Variable))
+        out += sampler_rows(f"eval ({eval_dtype.name})", eval_graph, eval_params, p * g, 1, config, s, mcfg, mesh, arr)
+    return out, hbm
+
+
+def sampler_rows(label: str, graphdef, params, prompts_n: int, group: int, config: ConfigDict, s, mcfg: Qwen2Config,
+                 mesh, arr) -> list[Row]:
+    """The sampler's prefill and decode loop for `prompts_n` prompts x `group` rows each."""
+    resp = s.sampling.response_tokens
+    compute = jnp.dtype(config.model.compute_dtype)
+    tp = bucket_length(config.data.max_prompt_tokens)
+    key = jax.eval_shape(lambda: jax.random.key(0))
+    static = dict(group_size=group, cache_len=tp + resp, resp_len=resp, cache_dtype=compute)
+    prompts, lengths = arr((prompts_n, tp), jnp.int32), arr((prompts_n,), jnp.int32)
+    row, prefill = _compile(f"{label} prefill", prefill_step.lower(graphdef, params, None, prompts, lengths, key,
+                                                                   **static))
+    if prefill is None:  # the decode loop's input state comes from the prefill
+        return [row]
+    state = _abstract(jax.eval_shape(lambda *a: prefill_step(graphdef, *a, **static), params, None, prompts,
+                                     lengths, key), prefill.output_shardings)
+    # The stop automaton's table: one state per byte of the stop strings, plus the start.
+    states = sum(len(x.encode()) for x in s.protocol.stop_strings) + 1
+    table = jax.ShapeDtypeStruct((mcfg.vocab_size, states), jnp.int32)
+    return [row, _compile(f"{label} decode loop", decode_loop.lower(
+        graphdef, params, None, state, table, jax.ShapeDtypeStruct((2,), jnp.int32),
+        jax.ShapeDtypeStruct((), jnp.int32), cfg=s.sampling, window=tp + resp))[0]]
     return out, hbm
 
 

@@ -79,7 +79,7 @@ POSITIVE = ("rollout.group_size", "rollout.max_new_tokens", "rl.micro_batch", "r
             "sft.traces", "sft.steps", "sft.rows")
 NOT_NEGATIVE = ("rollout.max_searches", "rollout.temperature", "rollout.window_steps", "train.total_steps",
                 "train.eval_every", "optim.lr", "optim.weight_decay", "optim.warmup_steps", "optim.grad_clip",
-                "rl.beta", "rl.clip_eps", "sft.lr", "sft.width", "sft.micro_batch", "sft.grad_clip")
+                "rl.beta", "rl.clip_eps", "sft.lr", "sft.width", "sft.micro_batch", "sft.grad_clip", "retrieval.threads")
 
 
 def check_fields(config: ConfigDict) -> None:
@@ -190,8 +190,8 @@ def build_retriever(config: ConfigDict):
     from sem_jax.retrieval import Retriever  # imports bm25s: only after the distributed runtime starts
     r = config.retrieval
     if r.index_dir:
-        return Retriever.load(r.index_dir)
-    return Retriever.from_jsonl(r.corpus, show_progress=False)
+        return Retriever.load(r.index_dir, threads=r.threads)
+    return Retriever.from_jsonl(r.corpus, show_progress=False, threads=r.threads)
 
 
 def build_sampler(model: Qwen2, tokenizer, sampling: SamplingConfig, config: ConfigDict, protocol: Protocol, *,

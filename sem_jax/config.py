@@ -35,6 +35,7 @@ def base_config() -> ConfigDict:
                                                         # compile-only checks without weights
     c.model.dtype = "float32"                           # parameter dtype
     c.model.compute_dtype = "float32"                   # activation dtype
+    c.model.eval_dtype = ""                             # parameter dtype of sem_jax.evaluate ("": model.dtype)
     c.model.remat = "none"                              # none | full | dots | dots_no_batch
     # Random-init model when model.path is None: a small BPE is trained on the data.
     c.model.init = ConfigDict(dict(tokenizer_vocab=512, hidden_size=64, intermediate_size=128,
@@ -62,6 +63,7 @@ def base_config() -> ConfigDict:
     c.retrieval.corpus = os.path.join(DEMO_DIR, "corpus.jsonl")  # indexed in memory when no index_dir
     c.retrieval.top_k = 3                # passages per search
     c.retrieval.max_tokens_per_passage = 64
+    c.retrieval.threads = 0              # search threads per process (0: every core of the host)
 
     c.rollout = ConfigDict()
     c.rollout.group_size = 5             # G: trajectories per question
@@ -164,6 +166,7 @@ def paper_recipe(c: ConfigDict) -> ConfigDict:
     c.optim.lr = 1e-6
     c.model.dtype = "float32"            # master weights
     c.model.compute_dtype = "bfloat16"
+    c.model.eval_dtype = "bfloat16"      # evaluation needs no master weights: half the memory
     return c
 
 

@@ -12,6 +12,7 @@ import jax
 import numpy as np
 
 from sem_jax.data.example import Example
+from sem_jax.data.mix import process_share
 from sem_jax.hosts import agree_max, gather_json
 from sem_jax.protocol import SEM, Protocol
 from sem_jax.sampling.rollout import RolloutConfig, Trajectory, rollout
@@ -100,15 +101,35 @@ def run_mode(mode: str, sampler, tokenizer, retriever, examples: Sequence[Exampl
     return records
 
 
+def shared_records(mode: str, sampler, tokenizer, retriever, share: Sequence[Example], filler: Example,
+                   cfg: RolloutConfig, batch_size: int, system_prompt: str | None, protocol: Protocol, mesh,
+                   keys: Sequence[str] | None = None) -> list[list[dict]]:
+    """`run_mode` on this process's `share` of the questions, padded with `filler` to the count
+    of the largest share (the same device calls everywhere); every process's records (only
+    `keys` of them, when given), in process order."""
+    n = agree_max(len(share))
+    padded = list(share) + [filler] * (n - len(share))
+    with jax.set_mesh(mesh):
+        records = run_mode(mode, sampler, tokenizer, retriever, padded, cfg, batch_size, system_prompt,
+                           protocol)[:len(share)]
+    return gather_json([{k: r[k] for k in keys} for r in records] if keys else records)
+
+
+def all_records(mode: str, sampler, tokenizer, retriever, examples: Sequence[Example], cfg: RolloutConfig,
+                batch_size: int, system_prompt: str | None, protocol: Protocol, mesh) -> list[dict]:
+    """Records of `examples` (the same list on every process), each process scoring every
+    `process_count`-th question; returned in `examples`' order on every process."""
+    count = jax.process_count()
+    everyone = shared_records(mode, sampler, tokenizer, retriever, process_share(examples, jax.process_index(), count),
+                              examples[0], cfg, batch_size, system_prompt, protocol, mesh)
+    return [everyone[i % count][i // count] for i in range(len(examples))]
+
+
 def policy_scores(sampler, tokenizer, retriever, examples: Sequence[Example], cfg: RolloutConfig, batch_size: int,
                   system_prompt: str, protocol: Protocol, mesh) -> dict[str, float]:
     """Greedy policy-mode scores of all processes' held-out questions, each process giving its
-    share `examples`, padded to the same count (the same device calls everywhere); the sampler's
-    weights are released after."""
-    n = agree_max(len(examples))
-    padded = list(examples) + [examples[-1]] * (n - len(examples))
-    with jax.set_mesh(mesh):
-        records = run_mode("policy", sampler, tokenizer, retriever, padded, cfg, batch_size, system_prompt,
-                           protocol)[:len(examples)]
+    share `examples`; the sampler's weights are released after."""
+    everyone = shared_records("policy", sampler, tokenizer, retriever, examples, examples[-1], cfg, batch_size,
+                              system_prompt, protocol, mesh, RECORD_KEYS)
     sampler.release()
-    return aggregate(sum(gather_json([{k: r[k] for k in RECORD_KEYS} for r in records]), []))
+    return aggregate(sum(everyone, []))

@@ -1,21 +1,25 @@
 """Evaluation tables in the layout of the paper's Tables 1 and 2.
 
     python -m sem_jax.evaluate --config configs/gpu.py --checkpoint runs/gpu/ckpt \
-        --data hotpotqa=/data/hotpot_dev.json,musique=/data/musique_dev.jsonl,mmlu=/data/mmlu,gsm8k=/data/gsm8k_test.jsonl \
-        --limit 500 --modes policy,direct,naive_rag --out runs/gpu/eval
+        --data hotpotqa=/data/hotpot_dev.json,musique=/data/musique_dev.jsonl,mmlu=cais/mmlu,gsm8k=/data/gsm8k_test.jsonl \
+        --limit 500 --seed 0 --modes policy,direct,naive_rag --out runs/gpu/eval
 
 Modes: `policy` (the SEM prompt, searches answered), `direct` (no search offered),
 `naive_rag` (retrieve once with the question, passages in the prompt, then answer).
-Greedy decoding, one trajectory per question. Writes results.md, results.json and
-per-question predictions_<mode>_<dataset>.jsonl.
+Greedy decoding, one trajectory per question. Writes results.md, results.json,
+per-question predictions_<mode>_<dataset>.jsonl and, with --limit, the sampled ids
+(sample_<dataset>.json).
 """
 
 from __future__ import annotations
 
 import json
 import os
+from collections import Counter
 from collections.abc import Sequence
 
+import jax
+import jax.numpy as jnp
 from absl import app, flags
 from absl import logging as absl_logging
 from flax import nnx
@@ -23,7 +27,9 @@ from ml_collections import ConfigDict, config_flags
 
 from sem_jax.config import parse_flags
 from sem_jax.data.example import Example
-from sem_jax.eval_lib import aggregate, run_mode
+from sem_jax.data.mix import stratified_sample
+from sem_jax.distributed import initialize as initialize_distributed
+from sem_jax.eval_lib import aggregate, all_records, run_mode
 from sem_jax.protocol import SEM, Protocol
 from sem_jax.sampling import RolloutConfig
 
@@ -44,24 +50,50 @@ def results_table(results: dict[str, dict[str, dict[str, float]]], datasets: Seq
 
 def evaluate_modes(sampler, tokenizer, retriever, data: dict[str, list[Example]], modes: Sequence[str],
                    cfg: RolloutConfig, batch_size: int, out_dir: str | None = None,
-                   system_prompt: str | None = None, protocol: Protocol = SEM) -> dict:
+                   system_prompt: str | None = None, protocol: Protocol = SEM, mesh=None) -> dict:
+    """Scores per mode and data set. With `mesh`, every process scores its share of each data set
+    (`batch_size` rows per process at a time) and all get every record; only `out_dir`'s owner
+    (process 0: the others pass None) writes."""
     results: dict[str, dict[str, dict[str, float]]] = {}
     for mode in modes:
         results[mode] = {}
         for name, examples in data.items():
-            records = run_mode(mode, sampler, tokenizer, retriever, examples, cfg, batch_size, system_prompt,
-                               protocol)
+            if mesh is None:
+                records = run_mode(mode, sampler, tokenizer, retriever, examples, cfg, batch_size, system_prompt,
+                                   protocol)
+            else:
+                records = all_records(mode, sampler, tokenizer, retriever, examples, cfg, batch_size, system_prompt,
+                                      protocol, mesh)
             results[mode][name] = aggregate(records)
             if out_dir:
                 with open(os.path.join(out_dir, f"predictions_{mode}_{name}.jsonl"), "w") as fh:
                     for r in records:
                         fh.write(json.dumps(r) + "\n")
             m = results[mode][name]
-            print(f"[eval] {mode:9s} {name:9s} EM {100 * m['em']:6.2f}  SR {100 * m['search_ratio']:6.2f}  "
-                  f"valid {100 * m['valid']:6.2f}  cut {100 * m['length']:6.2f}  ({len(records)} questions)", flush=True)
+            if jax.process_index() == 0:
+                print(f"[eval] {mode:9s} {name:9s} EM {100 * m['em']:6.2f}  SR {100 * m['search_ratio']:6.2f}  "
+                      f"valid {100 * m['valid']:6.2f}  cut {100 * m['length']:6.2f}  ({len(records)} questions)",
+                      flush=True)
             if out_dir:  # after every finished part: a later failure loses none of it
                 write_results(out_dir, results, list(data))
     return results
+
+
+def write_sample(out_dir: str | None, name: str, examples: list[Example], limit: int, seed: int) -> list[Example]:
+    """The --limit sample of one data set, its ids and category counts written beside the
+    results (sample_<name>.json, unless `out_dir` is None) so that another run can be compared
+    on the same questions."""
+    chosen = stratified_sample(examples, limit, seed)
+    record = {"data set": name, "seed": seed, "limit": limit, "of": len(examples),
+              "categories": dict(sorted(Counter(ex.category for ex in chosen).items())),
+              "ids": [ex.id for ex in chosen]}
+    if out_dir is None:
+        return chosen
+    with open(os.path.join(out_dir, f"sample_{name}.json"), "w") as fh:
+        json.dump(record, fh, indent=1)
+    print(f"{name}: {len(chosen)} of {len(examples)} questions sampled with seed {seed} "
+          f"({len(record['categories'])} categories)", flush=True)
+    return chosen
 
 
 def write_results(out_dir: str, results: dict, datasets: Sequence[str]) -> None:
@@ -82,14 +114,18 @@ def define_flags():
     flags.DEFINE_string("checkpoint", None, "run_dir/ckpt of a sem_jax run (parameters restored alone)")
     flags.DEFINE_integer("step", None, "checkpoint step (default: latest)")
     flags.DEFINE_string("hf", None, "a Hugging Face model directory instead of a checkpoint")
-    flags.DEFINE_string("data", None, "name=path[,name=path...] with name in musique, mmlu, hotpotqa, gsm8k; "
-                        "default: the config's eval file")
-    flags.DEFINE_integer("limit", None, "questions per data set")
+    flags.DEFINE_string("data", None, "name=path[,name=path...] with name in musique, mmlu, hotpotqa, gsm8k and "
+                        "path a local file or directory, or hub_id[:config]; default: the config's eval file")
+    flags.DEFINE_integer("limit", None, "questions per data set: a seeded random sample (--seed), stratified by "
+                         "category (MMLU's subject, MuSiQue's hop count); the chosen ids go to sample_<name>.json")
+    flags.DEFINE_integer("seed", 0, "seed of the --limit sample")
     flags.DEFINE_string("modes", "policy,direct,naive_rag", "comma-separated modes")
     flags.DEFINE_string("out", None, "output directory (default: <run_dir>/eval)")
+    flags.DEFINE_string("dtype", None, "parameter dtype (default: the config's model.eval_dtype, else model.dtype)")
 
 
 FLAGS = flags.FLAGS
+EVAL_SPLITS = {"mmlu": "test", "gsm8k": "test"}  # the others: validation (MuSiQue and HotpotQA dev)
 
 
 def checkpoint_run_dir(checkpoint: str) -> str:
@@ -97,23 +133,29 @@ def checkpoint_run_dir(checkpoint: str) -> str:
     return os.path.dirname(os.path.abspath(checkpoint.rstrip("/")))
 
 
-def load_policy(config, checkpoint: str | None, step: int | None, hf: str | None):
-    """(model, tokenizer) from a HF directory or from a sem_jax checkpoint (params only)."""
+def load_policy(config, checkpoint: str | None, step: int | None, hf: str | None, mesh=None):
+    """(model, tokenizer) from a HF directory or from a sem_jax checkpoint (params only), its
+    parameters in `model.eval_dtype` (default `model.dtype`) and, with `mesh`, sharded as in
+    training."""
     from sem_jax.assemble import build_policy
     from sem_jax.checkpoint import Checkpointer
     from sem_jax.model import from_pretrained
     from sem_jax.model.tokenizer import load_tokenizer
 
+    dtype = jnp.dtype(config.model.eval_dtype or config.model.dtype)
     if hf:
-        return from_pretrained(hf), load_tokenizer(hf)
+        return from_pretrained(hf, dtype=dtype, compute_dtype=jnp.dtype(config.model.compute_dtype), mesh=mesh), \
+            load_tokenizer(hf)
     if not checkpoint:
         raise app.UsageError("give --checkpoint RUN/ckpt or --hf DIR")
     ckpt = Checkpointer(checkpoint, read_only=True)
-    model, tokenizer = build_policy(config, None, checkpoint_run_dir(checkpoint))
+    model, tokenizer = build_policy(config, None, checkpoint_run_dir(checkpoint), mesh=mesh)
     _, params = nnx.split(model)
     params, got = ckpt.restore_params(step, params)
-    nnx.update(model, params)
-    print(f"restored parameters of step {got} from {checkpoint}", flush=True)
+    # Restored as trained (the checkpoint's dtype), then cast: the sharding stays.
+    nnx.update(model, jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, params))
+    if jax.process_index() == 0:
+        print(f"restored parameters of step {got} from {checkpoint} ({dtype.name})", flush=True)
     return model, tokenizer
 
 
@@ -138,10 +180,6 @@ def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     absl_logging.set_verbosity(absl_logging.WARNING)
-    from sem_jax.assemble import build_retriever, build_sampler, cap_prompts, check_positions, settings
-    from sem_jax.data.questions import load_questions
-    from sem_jax.data.sources import load_source
-
     if FLAGS.limit is not None and FLAGS.limit < 1:
         raise app.UsageError(f"--limit={FLAGS.limit}: give at least 1 question per data set (or leave it out: all)")
     config = _CONFIG.value
@@ -149,30 +187,45 @@ def main(argv):
         config = run_config(FLAGS.checkpoint)
     if config is None:
         raise app.UsageError("--config is required (the model, retrieval and rollout settings)")
+    if FLAGS.dtype:
+        config.model.eval_dtype = FLAGS.dtype
+    initialize_distributed(config.distributed)  # first: before anything starts a backend
+    from sem_jax.assemble import (build_mesh, build_retriever, build_sampler, cap_prompts, check_positions,
+                                  settings)
+    from sem_jax.data.questions import load_questions
+    from sem_jax.data.sources import load_source
+
     s = settings(config)
-    model, tokenizer = load_policy(config, FLAGS.checkpoint, FLAGS.step, FLAGS.hf)
+    mesh = build_mesh(config)
+    model, tokenizer = load_policy(config, FLAGS.checkpoint, FLAGS.step, FLAGS.hf, mesh)
     check_positions(config, s, model.config)
-    if FLAGS.data:
+    if FLAGS.data:  # every process reads every data set and draws the same sample
         data = {}
         for item in FLAGS.data.split(","):
             name, _, path = item.partition("=")
-            # Hub ids: the split each data set is evaluated on (local files are read whole).
-            split = {"mmlu": "test", "gsm8k": "test"}.get(name, "validation")
-            data[name] = load_source(name, path, split=split, limit=FLAGS.limit)
+            # The split each data set is evaluated on (a local file is read whole).
+            data[name] = load_source(name, path, split=EVAL_SPLITS.get(name, "validation"))
     else:
-        data = {"eval": load_questions(config.data.eval_file)[:FLAGS.limit]}
+        data = {"eval": load_questions(config.data.eval_file)}
     s = s.with_eos(tokenizer)
     data = {name: cap_prompts(examples, s.protocol, s.system_prompt, tokenizer, config.data.max_prompt_tokens, name)
             for name, examples in data.items()}
-    sampler = build_sampler(model, tokenizer, s.greedy, config, s.protocol)
     out = FLAGS.out or os.path.join(config.run_dir, "eval")
-    os.makedirs(out, exist_ok=True)
+    writer = jax.process_index() == 0
+    if writer:
+        os.makedirs(out, exist_ok=True)
+    if FLAGS.limit:
+        data = {name: write_sample(out if writer else None, name, examples, FLAGS.limit, FLAGS.seed)
+                for name, examples in data.items()}
+    sampler = build_sampler(model, tokenizer, s.greedy, config, s.protocol, mesh=mesh)
     modes = [m.strip() for m in FLAGS.modes.split(",") if m.strip()]
+    rows = config.data.prompts_per_step * config.rollout.group_size // jax.process_count()
     results = evaluate_modes(sampler, tokenizer, build_retriever(config), data, modes, s.rollout,
-                             batch_size=config.data.prompts_per_step * config.rollout.group_size, out_dir=out,
-                             system_prompt=s.system_prompt, protocol=s.protocol)
-    print(results_table(results, list(data)))
-    print(f"wrote {out}/results.md, results.json and per-question predictions")
+                             batch_size=max(rows, 1), out_dir=out if writer else None,
+                             system_prompt=s.system_prompt, protocol=s.protocol, mesh=mesh)
+    if writer:
+        print(results_table(results, list(data)))
+        print(f"wrote {out}/results.md, results.json and per-question predictions")
 
 
 if __name__ == "__main__":

@@ -259,14 +259,22 @@ def test_export_and_evaluate_cli_on_a_trained_checkpoint(tmp_path):
     ev = tmp_path / "eval"
     proc = subprocess.run([sys.executable, "-m", "sem_jax.evaluate", "--config", "configs/cpu.py",
                            f"--config.run_dir={run}", "--config.rollout.max_new_tokens=16",
-                           f"--checkpoint={run}/ckpt", "--limit=3", f"--out={ev}"],
+                           f"--checkpoint={run}/ckpt", "--limit=3", "--seed=1", f"--out={ev}"],
                           capture_output=True, text=True, timeout=600, cwd=REPO, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = json.loads((ev / "results.json").read_text())
     assert set(results) == {"policy", "direct", "naive_rag"}
     assert results["naive_rag"]["eval"]["search_ratio"] == 1.0
+    # --limit is the seeded sample written beside the results, the same questions in every mode.
+    sample = json.loads((ev / "sample_eval.json").read_text())
+    config = json.loads((run / "config.json").read_text())
+    from sem_jax.data.mix import stratified_sample
+    from sem_jax.data.questions import load_questions
+    assert sample["ids"] == [e.id for e in stratified_sample(load_questions(config["data"]["eval_file"]), 3, 1)]
+    assert sample["seed"] == 1 and sample["of"] > 3
     for mode in results:
-        assert len((ev / f"predictions_{mode}_eval.jsonl").read_text().splitlines()) == 3
+        rows = [json.loads(line) for line in (ev / f"predictions_{mode}_eval.jsonl").read_text().splitlines()]
+        assert [r["id"] for r in rows] == sample["ids"]
 
 
 def test_corpus_from_data_sets_dedups(files, tmp_path):

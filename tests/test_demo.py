@@ -198,5 +198,8 @@ def test_demo_config_end_to_end_with_tiny_budgets(tmp_path):
                            f"--checkpoint={run}/ckpt", "--modes=policy", "--limit=4", f"--out={ev}"],
                           capture_output=True, text=True, timeout=300, cwd=REPO, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    from sem_jax.data.mix import stratified_sample
+    from sem_jax.data.questions import load_questions
     ids = lambda path: [json.loads(x)["id"] for x in path.read_text().splitlines()]
-    assert ids(ev / "predictions_policy_eval.jsonl") == ids(run / "world" / "eval.jsonl")[:4]
+    held_out = load_questions(str(run / "world" / "eval.jsonl"))
+    assert ids(ev / "predictions_policy_eval.jsonl") == [e.id for e in stratified_sample(held_out, 4, 0)]

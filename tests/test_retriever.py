@@ -4,6 +4,7 @@ import json
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from sem_jax.protocol.sem import format_results
@@ -75,11 +76,102 @@ def test_format_results_budget(qwen25_tokenizer):
 
 def test_build_index_script(corpus_file, tmp_path):
     out = tmp_path / "index"
-    proc = subprocess.run([sys.executable, "scripts/build_index.py", "--corpus", str(corpus_file),
-                           "--out", str(out)], capture_output=True, text=True, timeout=300)
+    run = lambda corpus: subprocess.run([sys.executable, "scripts/build_index.py", "--corpus", str(corpus), "--out",
+                                         str(out)], capture_output=True, text=True, timeout=300)
+    proc = run(corpus_file)  # its last row is blank: refused, nothing written
+    assert proc.returncode != 0 and f"1 passage(s) with a blank text (first: {corpus_file}:8)" in proc.stderr
+    assert not out.exists() and not (tmp_path / "index.partial").exists()
+    mended = tmp_path / "mended.jsonl"
+    mended.write_text("".join(corpus_file.read_text().splitlines(keepends=True)[:-1]))
+    proc = run(mended)
     assert proc.returncode == 0, proc.stderr
-    assert "indexed 5 passages" in proc.stdout
+    assert "indexed 5 passages" in proc.stdout and f"{mended}: skipped 2 broken row(s)" in proc.stdout
     assert Retriever.load(str(out)).search(["highest mountain"], 1)[0][0].id == "d2"
+
+
+def _random_docs(n, seed=0):
+    rng = np.random.RandomState(seed)
+    words = [f"w{i}x" for i in range(400)] + ["running", "runs", "ran", "the", "a", "of"]
+    docs = [{"id": f"p{i}", "title": f"T{i % 7}", "text": " ".join(rng.choice(words, rng.randint(1, 40)))}
+            for i in range(n)]
+    return docs + [{"id": "stopwords only", "title": "", "text": "the of a"}]
+
+
+def test_sparse_product_scores_as_bm25s_ranks():
+    import bm25s
+    import Stemmer
+    docs = _random_docs(3000)
+    r = Retriever.build(docs, show_progress=False)
+    rng = np.random.RandomState(5)
+    words = " ".join(d["text"] for d in docs[:50]).split()
+    queries = [" ".join(rng.choice(words, rng.randint(1, 8))) for _ in range(60)] + ["w1x w1x w1x", "T2 T2"]
+    ours = r.search(queries, 10)
+    tokens = bm25s.tokenize(queries, stopwords="en", stemmer=Stemmer.Stemmer("english"), return_ids=False,
+                            show_progress=False)
+    ref_ids, ref_scores = r.bm25.retrieve(tokens, k=10, backend_selection="numpy", show_progress=False)
+    index = {d["id"]: i for i, d in enumerate(docs)}
+    for hits, ids, scores in zip(ours, ref_ids, ref_scores):
+        mine = np.array([h.score for h in hits])
+        np.testing.assert_allclose(mine, scores[scores > 0], rtol=1e-6)
+        if not hits:
+            continue
+        got = [index[h.id] for h in hits]
+        # Sums in another order round differently: passages clearly above the k-th score are the same;
+        # which of those tied at it are kept is arbitrary in bm25s (index order here).
+        clear = mine[-1] + 1e-5 * mine[0]
+        assert {g for g, x in zip(got, mine) if x > clear} == {int(i) for i, x in zip(ids, scores) if x > clear}
+        assert all(a < b for a, b, x, y in zip(got, got[1:], mine, mine[1:]) if x == y)
+
+
+@pytest.mark.parametrize("chunk", [1, 333, 100_000])
+def test_streaming_build_writes_bm25s_index_to_the_bit(tmp_path, chunk):
+    from sem_jax.retrieval.build import build_index
+    docs = _random_docs(1000 if chunk == 1 else 3000)
+    Retriever.build(docs, show_progress=False).save(str(tmp_path / "bm25s"))
+    stats = build_index(((f"row {i}", d) for i, d in enumerate(docs)), str(tmp_path / "ours"), chunk=chunk,
+                        show_progress=False)
+    assert stats["passages"] == len(docs)
+    arrays = {side: {n: np.load(tmp_path / side / f"{n}.csc.index.npy") for n in ("data", "indices", "indptr")}
+              for side in ("bm25s", "ours")}
+    vocab = {side: json.loads((tmp_path / side / "vocab.index.json").read_text()) for side in ("bm25s", "ours")}
+    assert set(vocab["ours"]) == set(vocab["bm25s"]) and vocab["ours"][""] == len(vocab["ours"]) - 1
+    for term, j in vocab["bm25s"].items():  # every term's postings: same passages, same float32 scores
+        if term:
+            a, b = arrays["bm25s"], arrays["ours"]
+            k = vocab["ours"][term]
+            sa, sb = slice(a["indptr"][j], a["indptr"][j + 1]), slice(b["indptr"][k], b["indptr"][k + 1])
+            np.testing.assert_array_equal(b["indices"][sb], a["indices"][sa])
+            np.testing.assert_array_equal(b["data"][sb], a["data"][sa])
+    for name in ("corpus.jsonl", "corpus.mmindex.json", "params.index.json", "sem_jax_index.json"):
+        assert (tmp_path / "ours" / name).read_bytes() == (tmp_path / "bm25s" / name).read_bytes(), name
+    ref, ours = Retriever.load(str(tmp_path / "bm25s")), Retriever.load(str(tmp_path / "ours"), threads=2)
+    queries = ["w1x w2x running", "w33x T3", "ran w7x w8x w9x", "zzz", "T6"] * 4
+    assert ours.search(queries, 5) == ref.search(queries, 5)
+    ref.threads = 1
+    assert ours.search(queries, 5) == ref.search(queries, 5)  # threads change no result
+
+
+def test_streaming_build_refuses_blank_texts_and_repeated_ids(tmp_path, monkeypatch):
+    from sem_jax.retrieval import build
+    docs = _random_docs(50)
+    out = tmp_path / "idx"
+    build.build_index(((str(i), d) for i, d in enumerate(docs)), str(out), show_progress=False)
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    bad = docs + [{"id": "p3", "title": "T", "text": "again"}, {"id": "x", "title": "T", "text": "  "},
+                  {"id": "p3", "title": "T", "text": "thrice"}, {"id": "p9", "title": "T", "text": "w1x"}]
+    with pytest.raises(build.CorpusError, match=r"1 passage\(s\) with a blank text \(first: line 52\); 3 repeated "
+                                                r"id\(s\) \(first: 'p3', 'p9'\)"):
+        build.build_index(((f"line {i}", d) for i, d in enumerate(bad)), str(out), chunk=7, show_progress=False)
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before  # the last good index stays whole
+    assert not (tmp_path / "idx.partial").exists()
+    # Equal 8-byte hashes of different ids are no repeat.
+    monkeypatch.setattr(build, "_id_hash", lambda passage_id: 7)
+    assert build.build_index(((str(i), d) for i, d in enumerate(docs)), str(out), show_progress=False)["passages"] == 51
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "keep.txt").write_text("mine")
+    with pytest.raises(build.CorpusError, match="not empty and not an index"):
+        build.build_index(iter([("0", docs[0])]), str(tmp_path / "notes"), show_progress=False)
+    assert (tmp_path / "notes" / "keep.txt").read_text() == "mine"
 
 
 @pytest.mark.parametrize("damage,message", [

@@ -16,9 +16,11 @@ def _aot(*args):
 
 def test_aot_check_small_topology():
     pytest.importorskip("libtpu", reason="jax[tpu] (libtpu) not installed: the compile-only TPU check is skipped")
-    ok = _aot("--config", "configs/demo_cpu.py", "--topology", "v4:2x2x1")
+    ok = _aot("--config", "configs/demo_cpu.py", "--topology", "v4:2x2x1", "--config.rl.beta=0.04",
+              "--config.model.eval_dtype=bfloat16")
     assert ok.returncode == 0, ok.stderr[-3000:]
-    for step in ("grpo update", "sampler prefill", "sampler decode loop"):
+    for step in ("grpo update", "reference logprobs", "sampler prefill", "sampler decode loop",
+                 "eval (bfloat16) prefill", "eval (bfloat16) decode loop"):
         assert f"| {step} |" in ok.stdout
     assert ok.stdout.rstrip().endswith("fits")
     # 8 layers of width 8192, replicated (no FSDP): ~34 GB of f32 weights per device.
@@ -59,6 +61,8 @@ def test_tpu_pod_script_dry_run():
     assert "tpu-vm ssh exp1" in setup[2] and "pip\\ install" in setup[2] and "\\'.\\[tpu\\]\\'" in setup[2]
     launch = _pod("launch", "--config", "configs/tpu_v4.py", "--config.rl.beta=0.0").stdout
     assert "--worker=all" in launch and "sem_jax.train\\ --config\\ configs/tpu_v4.py\\ --config.rl.beta=0.0" in launch
+    evaluate = _pod("evaluate", "--config", "configs/tpu_v4.py", "--checkpoint", "RUN/ckpt").stdout
+    assert "--worker=all" in evaluate and "sem_jax.evaluate\\ --config\\ configs/tpu_v4.py\\ --checkpoint\\ RUN/ckpt" in evaluate
     stop = _pod("stop").stdout
     assert "--worker=all" in stop and "libtpu_lockfile" in stop and "pkill" in stop
     assert "--worker=2" in _pod("logs", "2").stdout

@@ -107,18 +107,15 @@ def test_three_steps_then_kill_and_resume_exactly(warm_model, tmp_path):
     assert any(not np.array_equal(x, y) for x, y in zip(_params(a, 1, warm_model), pa))
 
 
-def test_two_processes_train_as_one(warm_model, tmp_path):
-    """Two processes (2 CPU devices each, gloo collectives) train the 4-device FSDP mesh together:
-    each rolls out only its half of every step's questions, and the parameters after two steps
-    are those of one process driving all 4 devices over the same global batches."""
-    one, two = tmp_path / "one", tmp_path / "two"
-    steps = ("--config.train.total_steps=2", "--config.train.debug_hosts=True")
+def _two_processes(cmd) -> list[str]:
+    """Run `cmd(*distributed flags)` as processes 0 and 1 of one runtime (2 CPU devices each,
+    gloo collectives); both must succeed; their outputs."""
     with socket.socket() as s:
         s.bind(("localhost", 0))
         port = s.getsockname()[1]
-    procs = [subprocess.Popen(_cmd(two, warm_model, *steps, f"--config.distributed.coordinator_address=localhost:{port}",
-                                   "--config.distributed.num_processes=2", f"--config.distributed.process_id={i}",
-                                   "--config.distributed.cpu_collectives=gloo"),
+    procs = [subprocess.Popen(cmd(f"--config.distributed.coordinator_address=localhost:{port}",
+                                  "--config.distributed.num_processes=2", f"--config.distributed.process_id={i}",
+                                  "--config.distributed.cpu_collectives=gloo"),
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO, env=_env(2))
              for i in (0, 1)]
     try:
@@ -128,6 +125,16 @@ def test_two_processes_train_as_one(warm_model, tmp_path):
             p.kill()
     for p, out in zip(procs, outs):
         assert p.returncode == 0, out[-4000:]
+    return outs
+
+
+def test_two_processes_train_as_one(warm_model, tmp_path):
+    """Two processes (2 CPU devices each, gloo collectives) train the 4-device FSDP mesh together:
+    each rolls out only its half of every step's questions, and the parameters after two steps
+    are those of one process driving all 4 devices over the same global batches."""
+    one, two = tmp_path / "one", tmp_path / "two"
+    steps = ("--config.train.total_steps=2", "--config.train.debug_hosts=True")
+    _two_processes(lambda *flags: _cmd(two, warm_model, *steps, *flags))
     single = subprocess.run(_cmd(one, warm_model, *steps), capture_output=True, text=True, timeout=600, cwd=REPO,
                             env=_env(4))
     assert single.returncode == 0, single.stderr[-3000:]
@@ -144,6 +151,28 @@ def test_two_processes_train_as_one(warm_model, tmp_path):
     assert any(not np.array_equal(x, y) for x, y in zip(_params(two, 1, warm_model), after))
     lines = [json.loads(x) for x in (two / "metrics.jsonl").read_text().splitlines()]
     assert [x["step"] for x in lines if x["split"] == "train"] == [1, 2]  # process 0 alone writes
+
+
+def test_two_processes_evaluate_as_one(warm_model, tmp_path):
+    """`sem_jax.evaluate` on two processes (2 CPU devices each, the 4-device mesh) scores each
+    process's share of the questions and writes the same results and predictions as one process
+    on 4 devices; an odd --limit leaves the shares unequal (one process pads)."""
+    def cmd(out, *extra):
+        return [sys.executable, "-m", "sem_jax.evaluate", "--config", os.path.join(REPO, "configs", "cpu.py"),
+                f"--hf={warm_model}", "--limit=7", "--seed=3", "--modes=policy", f"--out={out}",
+                "--config.rollout.max_new_tokens=24", "--config.data.prompts_per_step=2",
+                "--config.rollout.group_size=2", *extra]
+    outs = _two_processes(lambda *flags: cmd(tmp_path / "two", *flags))
+    assert "| policy |" in outs[0] and "| policy |" not in outs[1]  # process 0 alone reports and writes
+    single = subprocess.run(cmd(tmp_path / "one"), capture_output=True, text=True, timeout=600, cwd=REPO, env=_env(4))
+    assert single.returncode == 0, single.stderr[-3000:]
+    names = sorted(os.listdir(tmp_path / "one"))
+    assert names == ["predictions_policy_eval.jsonl", "results.json", "results.md", "sample_eval.json"]
+    assert sorted(os.listdir(tmp_path / "two")) == names
+    for name in names:
+        assert (tmp_path / "two" / name).read_text() == (tmp_path / "one" / name).read_text(), name
+    rows = [json.loads(x) for x in (tmp_path / "one" / "predictions_policy_eval.jsonl").read_text().splitlines()]
+    assert len(rows) == 7 and [r["id"] for r in rows] == json.loads((tmp_path / "one" / "sample_eval.json").read_text())["ids"]
 
 
 def test_config_overrides_and_unknown_field(tmp_path):

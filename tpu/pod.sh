@@ -11,6 +11,7 @@
 #   tpu/pod.sh mount             mount gs://BUCKET at MOUNT on every worker (gcsfuse): a run_dir
 #                                that all hosts share, as multi-host checkpoints need
 #   tpu/pod.sh launch ARGS...    the same `python -m sem_jax.train ARGS` on all workers, in the background
+#   tpu/pod.sh evaluate ARGS...  the same `python -m sem_jax.evaluate ARGS` on all workers (each its share)
 #   tpu/pod.sh logs [WORKER]     tail the log of one worker (0)
 #   tpu/pod.sh stop              kill sem_jax on all workers and clear a stale TPU lock
 #   tpu/pod.sh delete            delete the queued resource and its pod
@@ -65,22 +66,23 @@ case "$CMD" in
     MOUNT="${MOUNT:-/mnt/sem_jax}"
     ssh_all all "command -v gcsfuse >/dev/null || { curl -fsSL https://packages.cloud.google.com/apt/doc/apt-key.gpg | sudo gpg --dearmor -o /usr/share/keyrings/gcsfuse.gpg && echo 'deb [signed-by=/usr/share/keyrings/gcsfuse.gpg] https://packages.cloud.google.com/apt gcsfuse-jammy main' | sudo tee /etc/apt/sources.list.d/gcsfuse.list && sudo apt-get update -q && sudo apt-get install -yq gcsfuse; }; sudo mkdir -p $MOUNT && sudo chown \$USER $MOUNT && (mountpoint -q $MOUNT || gcsfuse --implicit-dirs $BUCKET $MOUNT)"
     ;;
-  launch)
-    [[ $# -gt 0 ]] || { echo "usage: tpu/pod.sh launch --config configs/tpu_v4.py [--config.x=y ...]" >&2; exit 2; }
+  launch|evaluate)
+    module=$([[ "$CMD" == launch ]] && echo train || echo evaluate)
+    [[ $# -gt 0 ]] || { echo "usage: tpu/pod.sh $CMD --config configs/tpu_v4.py [--config.x=y ...]" >&2; exit 2; }
     args="$(printf '%q ' "$@")"
-    ssh_all all "cd ~/$REMOTE_DIR && nohup .venv/bin/python -m sem_jax.train $args > ~/$LOG 2>&1 &"
+    ssh_all all "cd ~/$REMOTE_DIR && nohup .venv/bin/python -m sem_jax.$module $args > ~/$LOG 2>&1 &"
     ;;
   logs)
     ssh_all "${1:-0}" "tail -n 200 -f ~/$LOG"
     ;;
   stop)
-    ssh_all all "pkill -f 'sem_jax.train' || true; sudo rm -f /tmp/libtpu_lockfile; sudo lsof -t /dev/accel* 2>/dev/null | xargs -r sudo kill -9 || true"
+    ssh_all all "pkill -f 'sem_jax[.](train|evaluate)' || true; sudo rm -f /tmp/libtpu_lockfile; sudo lsof -t /dev/accel* 2>/dev/null | xargs -r sudo kill -9 || true"
     ;;
   delete)
     run gcloud compute tpus queued-resources delete "$QR_ID" --zone "$ZONE" "${PROJECT_FLAG[@]}" --force --quiet
     ;;
   *)
-    sed -n '2,18p' "$0" >&2
+    sed -n '2,19p' "$0" >&2
     exit 2
     ;;
 esac

@@ -14,6 +14,8 @@ class Example:
     needs_search: bool                   # expected to need retrieval (MuSiQue) or not (MMLU)
     options: tuple[str, ...] | None = None  # multiple-choice option texts, in letter order
     kind: str = "qa"                     # "qa" (EM/F1), "mc" (option letter or text), "math" (numeric)
+    category: str = ""                   # the data set's own grouping (MMLU subject, MuSiQue hops, HotpotQA
+                                         # type): seeded samples are stratified by it
 
     def __post_init__(self):
         if self.kind not in ("qa", "mc", "math"):

@@ -31,3 +31,27 @@ def process_share(examples: Sequence[Example], index: int, count: int) -> list[E
     if not 0 <= index < count:
         raise ValueError(f"process index {index} not in [0, {count})")
     return list(examples[index::count])
+
+
+def stratified_sample(examples: Sequence[Example], n: int, seed: int = 0) -> list[Example]:
+    """`n` examples drawn at random with `seed`, each category (MMLU's subject, MuSiQue's hop
+    count) holding its share of the set, rounded by largest remainder; in the set's order. A set
+    sorted by subject is then sampled across subjects, not cut after the first few. All of them
+    when `n` is not below the set's size."""
+    if n < 1:
+        raise ValueError(f"sample size must be >= 1, got {n}")
+    if n >= len(examples):
+        return list(examples)
+    rng = np.random.RandomState(seed)
+    groups: dict[str, list[int]] = {}
+    for i, ex in enumerate(examples):
+        groups.setdefault(ex.category, []).append(i)
+    names = sorted(groups)
+    exact = np.array([n * len(groups[c]) / len(examples) for c in names])
+    quota = np.floor(exact).astype(int)
+    # The seats left go to the largest remainders; equal remainders in a seeded random order.
+    order = sorted(range(len(names)), key=lambda j: (-(exact[j] - quota[j]), rng.random_sample()))
+    for j in order[:n - int(quota.sum())]:
+        quota[j] += 1
+    chosen = [i for c, q in zip(names, quota) for i in rng.choice(groups[c], size=q, replace=False)]
+    return [examples[i] for i in sorted(chosen)]

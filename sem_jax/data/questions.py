@@ -20,11 +20,12 @@ def example_from_row(row: dict, where: str) -> Example:
     opts = row.get("options")
     return Example(id=str(row["id"]), question=row["question"], answers=tuple(row["answers"]),
                    source=str(row.get("source", "unknown")), needs_search=bool(row.get("needs_search", False)),
-                   options=tuple(opts) if opts else None, kind=row.get("kind", "qa"))
+                   options=tuple(opts) if opts else None, kind=row.get("kind", "qa"),
+                   category=str(row.get("category") or ""))
 
 
 def load_questions(path: str) -> list[Example]:
-    """Rows {id, question, answers, source, needs_search, kind, options?}; broken rows are
+    """Rows {id, question, answers, source, needs_search, kind, options?, category?}; broken rows are
     counted, reported with the first example, and skipped; no usable row is an error."""
     return parse_rows(jsonl_lines(path), lambda line, where: example_from_row(json.loads(line), where),
                       source=path, what="question")

@@ -1,4 +1,5 @@
-"""BM25 retrieval over a passage corpus, on the host (bm25s + PyStemmer, numpy backend).
+"""BM25 retrieval over a passage corpus, on the host: bm25s's tokenizer, index and files
+(PyStemmer stems), searched as a sparse product (`scoring.TermMatrix`).
 
 bm25s is imported inside functions only: importing it initialises the XLA
 backend, which must not happen before `jax.distributed.initialize()`.
@@ -15,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from sem_jax.retrieval.scoring import TermMatrix
 from sem_jax.rows import jsonl_lines, parse_rows
 
 
@@ -29,9 +31,10 @@ class Passage:
     score: float = 0.0
 
 
-def parse_corpus_row(row: Any, where: str) -> dict[str, str]:
+def parse_corpus_row(row: Any, where: str, allow_blank: bool = False) -> dict[str, str]:
     """One corpus row -> {id, title, text}. Accepts {id, title, text} and {id, contents}
-    (FlashRAG/Search-R1 style, the first line of `contents` being the title)."""
+    (FlashRAG/Search-R1 style, the first line of `contents` being the title). A blank passage is
+    an error unless `allow_blank` (the streaming build counts and refuses them itself)."""
     if not isinstance(row, dict):
         raise ValueError(f"{where}: expected a JSON object, got {type(row).__name__}")
     if "id" not in row:
@@ -46,7 +49,7 @@ def parse_corpus_row(row: Any, where: str) -> dict[str, str]:
         title, text = first.strip().strip('"'), rest.strip()
     else:
         raise ValueError(f"{where}: needs a string 'text' (with optional 'title') or 'contents'")
-    if not (title.strip() or text.strip()):
+    if not (allow_blank or title.strip() or text.strip()):
         raise ValueError(f"{where}: empty passage")
     return {"id": str(row["id"]), "title": title, "text": text}
 
@@ -60,11 +63,13 @@ def read_corpus(path: str, show_progress: bool = True) -> list[dict[str, str]]:
 class Retriever:
     """Batched BM25 search. `search(queries, k)` answers all queries in one call."""
 
-    def __init__(self, bm25: Any, corpus: Any, settings: dict[str, Any]):
+    def __init__(self, bm25: Any, corpus: Any, settings: dict[str, Any], threads: int = 0):
         self.bm25 = bm25
         self.corpus = corpus  # list of dicts, or bm25s' memory-mapped JsonlCorpus
         self.settings = settings
+        self.threads = threads or os.cpu_count() or 1  # 0: every core of the host
         self.calls = 0  # search() invocations, for telling batched from per-row use
+        self._matrix: TermMatrix | None = None
 
     def __len__(self) -> int:
         return int(self.settings["num_docs"])
@@ -72,7 +77,7 @@ class Retriever:
     @classmethod
     def build(cls, docs: Sequence[dict[str, str]], *, stemmer: str | None = "english",
               stopwords: str | None = "en", k1: float = 1.5, b: float = 0.75,
-              method: str = "lucene", show_progress: bool = True) -> "Retriever":
+              method: str = "lucene", show_progress: bool = True, threads: int = 0) -> "Retriever":
         """Index passages ({id, title, text}); the title is indexed with the text."""
         import bm25s
 
@@ -83,7 +88,7 @@ class Retriever:
                                 stemmer=_stemmer(stemmer), show_progress=show_progress)
         bm25 = bm25s.BM25(k1=k1, b=b, method=method, backend="numpy")
         bm25.index(tokens, show_progress=show_progress)
-        return cls(bm25, list(docs), settings)
+        return cls(bm25, list(docs), settings, threads)
 
     @classmethod
     def from_jsonl(cls, path: str, **kwargs) -> "Retriever":
@@ -97,8 +102,9 @@ class Retriever:
             json.dump(self.settings, fh, indent=2)
 
     @classmethod
-    def load(cls, index_dir: str, mmap: bool = True) -> "Retriever":
-        """Load a saved index; `mmap` keeps the index and corpus on disk (big corpora)."""
+    def load(cls, index_dir: str, mmap: bool = True, threads: int = 0) -> "Retriever":
+        """Load a saved index; `mmap` keeps the index and corpus on disk, in the page cache that
+        the processes of one host share (big corpora); `threads` searching (0: every core)."""
         import bm25s
 
         meta = os.path.join(index_dir, "sem_jax_index.json")
@@ -112,7 +118,7 @@ class Retriever:
         bm25 = bm25s.BM25.load(index_dir, load_corpus=True, mmap=mmap, show_progress=False)
         # We look passages up ourselves; with a corpus attached bm25s returns documents, not ids.
         corpus, bm25.corpus = bm25.corpus, None
-        return cls(bm25, corpus, settings)
+        return cls(bm25, corpus, settings, threads)
 
     def passages(self) -> Iterable[dict[str, str]]:
         """Every indexed passage ({id, title, text}), in index order."""
@@ -133,15 +139,22 @@ class Retriever:
         tokens = bm25s.tokenize([queries[i] for i in live], stopwords=self.settings["stopwords"],
                                 stemmer=_stemmer(self.settings["stemmer"]), return_ids=False,
                                 show_progress=False)
-        ids, scores = self.bm25.retrieve(tokens, k=k, backend_selection="numpy", show_progress=False,
-                                         n_threads=0)
-        for row, i in enumerate(live):
-            for doc, score in zip(ids[row], scores[row]):
+        vocab = self.bm25.vocab_dict
+        hits = self.term_matrix().top_k([[vocab[w] for w in q if w in vocab] for q in tokens], k, self.threads)
+        for i, (docs, scores) in zip(live, hits):
+            for doc, score in zip(docs, scores):
                 if score > 0:
                     d = self.corpus[int(doc)]
                     out[i].append(Passage(id=d["id"], title=d.get("title", ""), text=d["text"],
                                           score=float(score)))
         return out
+
+    def term_matrix(self) -> TermMatrix:
+        """The index's scores as a sparse terms x passages matrix (over the same arrays)."""
+        if self._matrix is None:
+            s = self.bm25.scores
+            self._matrix = TermMatrix(s["data"], s["indices"], s["indptr"], int(s["num_docs"]))
+        return self._matrix
 
 
 def _quiet_bm25s() -> None:
