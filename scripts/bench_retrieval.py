@@ -128,7 +128,7 @@ def build(corpus: str, out: str, streaming: bool) -> dict:
     return {"seconds": seconds, "peak_rss_gib": peak, "peak_anon_gib": anon, **dir_bytes(out)}
 
 
-def search_rate(index: str, corpus: str, batch: int, rounds: int, threads: int, reference: bool,
+def search_rate(index: str, batch: int, rounds: int, threads: int, reference: bool,
                 seed: int = 1) -> dict:
     from sem_jax.retrieval import Retriever
     before = rss_gib()
@@ -136,17 +136,8 @@ def search_rate(index: str, corpus: str, batch: int, rounds: int, threads: int, 
     r = Retriever.load(index, threads=threads)
     load = time.time() - start
     rng = np.random.default_rng(seed)
-    with open(corpus) as fh:
-        offsets, pos = [], 0
-        for line in fh:
-            offsets.append(pos)
-            pos += len(line.encode())
-    queries = []
-    with open(corpus, "rb") as fh:
-        for i in rng.integers(0, len(offsets), batch * rounds):
-            fh.seek(offsets[i])
-            text = json.loads(fh.readline())["text"].split()
-            queries.append(" ".join(rng.choice(text, 10, replace=False)))
+    queries = [" ".join(rng.choice(r.corpus[int(i)]["text"].split(), 10, replace=False))
+               for i in rng.integers(0, len(r), batch * rounds)]  # the index's own memory-mapped corpus
     r.search(queries[:batch], TOP_K)  # warm the page cache and bm25s's lookups
     start = time.time()
     hits = [r.search(queries[i:i + batch], TOP_K) for i in range(0, len(queries), batch)]
@@ -192,7 +183,7 @@ def main(argv=None) -> int:
         if args.search_only:
             with open(os.path.join(index, "sem_jax_index.json")) as fh:
                 report["passages"] = json.load(fh)["num_docs"]
-            report["search"] = search_report(index, big, batch, args.rounds)
+            report["search"] = search_report(index, batch, args.rounds)
             extrapolate(report)
             return write(report, args.out)
         for path, n in ((small, args.compare), (big, args.passages)):
@@ -213,7 +204,7 @@ def main(argv=None) -> int:
         print(f"{args.passages} passages: build {b['seconds']:.0f}s, peak {b['peak_anon_gib']:.2f} GiB anonymous "
               f"({b['peak_rss_gib']:.2f} GiB resident with the mapped index files), index "
               f"{b['index_bytes'] / 2**30:.2f} GiB + corpus {b['corpus_bytes'] / 2**30:.2f} GiB on disk", flush=True)
-        report["search"] = search_report(index, big, batch, args.rounds)
+        report["search"] = search_report(index, batch, args.rounds)
         extrapolate(report)
     finally:
         if not args.work:
@@ -241,8 +232,8 @@ def extrapolate(report: dict) -> None:
           f"{e['rollout_seconds_for_5_percent']:.0f}s (its floor: {floor:.2f}s)", flush=True)
 
 
-def search_report(index: str, corpus: str, batch: int, rounds: int) -> list[dict]:
-    runs = [search_rate(index, corpus, batch, rounds, t, reference=True) for t in (1, 0)]
+def search_report(index: str, batch: int, rounds: int) -> list[dict]:
+    runs = [search_rate(index, batch, rounds, t, reference=True) for t in (1, 0)]
     for s in runs:
         print(f"search: {s['threads']} thread(s), {s['queries_per_s']:.1f} queries/s at batch {batch}; bm25s's "
               f"own search {s['bm25s_queries_per_s']:.1f} queries/s ({s['queries_per_s'] / s['bm25s_queries_per_s']:.1f}x), "

@@ -173,8 +173,9 @@ def _repeated_ids(hashes: np.ndarray, scratch: str, offsets: list[int]) -> tuple
             return json.loads(fh.readline())["id"]
         for pair in same:
             a, c = sorted((int(order[pair]), int(order[pair + 1])))
-            if id_at(a) == id_at(c):
-                repeats.append((c, id_at(c)))
+            later = id_at(c)
+            if id_at(a) == later:
+                repeats.append((c, later))
     names = list(dict.fromkeys(x for _, x in sorted(repeats)))[:3]
     count = len(repeats)
     return count, [repr(x) for x in names]
