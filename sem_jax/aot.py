@@ -11,7 +11,8 @@ sampler again as `sem_jax.evaluate` runs it (greedy, one row per question, the p
 Prints per-device memory (arguments, outputs, temporaries) against HBM and FLOPs per call
 (XLA counts every loop body once, the layer scan too: they only compare configs); exits 1
 when something does not fit, including when the TPU compiler itself refuses for lack of HBM.
-Without --topology it compiles for the local devices.
+Without --topology it compiles for the local devices. `--roofline` prints XLA's FLOPs and bytes
+per call against the ideal and predicted times per chip instead (`sem_jax.roofline`).
 """
 
 from __future__ import annotations
@@ -93,6 +94,30 @@ def hbm_per_device(devices: list, override_gib: float | None) -> float:
     return HBM_GIB[kind] * 2**30
 
 
+def eval_dtype(config: ConfigDict) -> jnp.dtype:
+    return jnp.dtype(config.model.eval_dtype or config.model.dtype)
+
+
+def narrower(a, b) -> jnp.dtype:
+    """The narrower of two float dtypes (the sampler's weights: `compute_weights`)."""
+    a, b = jnp.dtype(a), jnp.dtype(b)
+    return b if b.itemsize < a.itemsize else a
+
+
+def abstract_model(config: ConfigDict, mcfg: Qwen2Config, mesh, param_dtype, scan_unroll: int = 1):
+    """The model as abstract arrays (no memory) in `param_dtype`, sharded over `mesh`: the
+    module, its graph definition and its parameters."""
+    model = nnx.eval_shape(lambda: Qwen2(mcfg, rngs=nnx.Rngs(0), param_dtype=jnp.dtype(param_dtype),
+                                         dtype=jnp.dtype(config.model.compute_dtype), remat=config.model.remat,
+                                         scan_unroll=scan_unroll))
+    graphdef, state = nnx.split(model)
+    params = jax.tree.map(
+        lambda v: v.replace(jax.ShapeDtypeStruct(v.shape, v.dtype,
+                                                 sharding=named_sharding(mesh, v.get_metadata()["axes"], v.shape))),
+        state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+    return model, graphdef, params
+
+
 def _abstract(tree, shardings):
     return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), tree, shardings)
 
@@ -123,13 +148,7 @@ def check(config: ConfigDict, topology: str | None = None, hbm_gib: float | None
     s = settings(config)
     mcfg = model_config(config)
     dtype, compute = jnp.dtype(config.model.dtype), jnp.dtype(config.model.compute_dtype)
-    model = nnx.eval_shape(lambda: Qwen2(mcfg, rngs=nnx.Rngs(0), param_dtype=dtype, dtype=compute,
-                                         remat=config.model.remat))
-    graphdef, state = nnx.split(model)
-    params = jax.tree.map(
-        lambda v: v.replace(jax.ShapeDtypeStruct(v.shape, v.dtype,
-                                                 sharding=named_sharding(mesh, v.get_metadata()["axes"], v.shape))),
-        state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+    model, _, params = abstract_model(config, mcfg, mesh, dtype)
     g = config.rollout.group_size
     rows_n = config.data.prompts_per_step * g
     trainer = build_trainer(config, model, s, mesh, per_layer=False)  # the layer scan, as on the TPU
@@ -154,14 +173,12 @@ def check(config: ConfigDict, topology: str | None = None, hbm_gib: float | None
             lp_in = {k: batch[k] for k in LOGPROB_KEYS if k in batch}  # no packed rows in GRPO
             out.append(_compile("reference logprobs", trainer.logprobs_fn.lower(params, lp_in))[0])
         p = config.data.prompts_per_step
-        out += sampler_rows("sampler", graphdef, params, p, g, config, s, mcfg, mesh, arr)
-        # sem_jax.evaluate: greedy, one row per question, parameters in model.eval_dtype.
-        eval_dtype = jnp.dtype(config.model.eval_dtype or config.model.dtype)
-        eval_graph, eval_state = nnx.split(nnx.eval_shape(lambda: Qwen2(mcfg, rngs=nnx.Rngs(0), param_dtype=eval_dtype,
-                                                                       dtype=compute, remat=config.model.remat)))
-        eval_params = jax.tree.map(lambda a, b: a.replace(jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=b.sharding)),
-                                   eval_state, params, is_leaf=lambda x: isinstance(x, nnx.Variable))
-        out += sampler_rows(f"eval ({eval_dtype.name})", eval_graph, eval_params, p * g, 1, config, s, mcfg, mesh, arr)
+        # The sampler casts the weights to the compute dtype (`compute_weights`); sem_jax.evaluate
+        # samples greedily, one row per question, from parameters in model.eval_dtype.
+        for label, prompts_n, group, param_dtype in (
+                ("sampler", p, g, dtype), (f"eval ({eval_dtype(config).name})", p * g, 1, eval_dtype(config))):
+            _, sampler_graph, sampler_params = abstract_model(config, mcfg, mesh, narrower(param_dtype, compute))
+            out += sampler_rows(label, sampler_graph, sampler_params, prompts_n, group, config, s, mcfg, mesh, arr)
     return out, hbm
 
 
@@ -186,7 +203,6 @@ def sampler_rows(label: str, graphdef, params, prompts_n: int, group: int, confi
     return [row, _compile(f"{label} decode loop", decode_loop.lower(
         graphdef, params, None, state, table, jax.ShapeDtypeStruct((2,), jnp.int32),
         jax.ShapeDtypeStruct((), jnp.int32), cfg=s.sampling, window=tp + resp))[0]]
-    return out, hbm
 
 
 def report(rows: list[Row], hbm: float, label: str) -> bool:
@@ -213,6 +229,9 @@ def define_flags():
     _CONFIG = config_flags.DEFINE_config_file("config", None, "Training config to check.")
     flags.DEFINE_string("topology", None, "TPU topology, e.g. v4:2x2x4 (needs jax[tpu]); default: local devices")
     flags.DEFINE_float("hbm_gib", None, "HBM per device in GiB (default: from the device kind)")
+    flags.DEFINE_bool("roofline", False, "Instead of the fit check: XLA's FLOPs and bytes per call against the "
+                      "ideal, and predicted times per chip (sem_jax.roofline)")
+    flags.DEFINE_string("json", None, "With --roofline: also write its figures to this JSON file")
 
 
 FLAGS = flags.FLAGS
@@ -224,8 +243,20 @@ def main(argv):
     absl_logging.set_verbosity(absl_logging.ERROR)
     if _CONFIG.value is None:
         raise app.UsageError("--config is required")
+    label = f"{FLAGS.topology or jax.devices()[0].device_kind} mesh {dict(_CONFIG.value.mesh)}"
+    if FLAGS.roofline:
+        from sem_jax import roofline
+        roofline.set_analysis_flags()
+        config = _CONFIG.value
+        devices = target_devices(FLAGS.topology)
+        calls, shapes = roofline.analyse(config, devices, model_config(config))
+        data = roofline.report(calls, shapes, label, hbm_per_device(devices, FLAGS.hbm_gib),
+                               config.rollout.group_size)
+        if FLAGS.json:
+            roofline.write_json(data, FLAGS.json)
+        return
     rows, hbm = check(_CONFIG.value, FLAGS.topology, FLAGS.hbm_gib)
-    ok = report(rows, hbm, f"{FLAGS.topology or jax.devices()[0].device_kind} mesh {dict(_CONFIG.value.mesh)}")
+    ok = report(rows, hbm, label)
     if not ok:
         print("DOES NOT FIT: shrink micro_batch / max_new_tokens, add remat, or use more devices", file=sys.stderr)
         sys.exit(1)

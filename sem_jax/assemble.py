@@ -230,10 +230,10 @@ def cap_prompts(examples: Sequence[Example], protocol: Protocol, system_prompt: 
 
 
 def build_trainer(config: ConfigDict, model: Qwen2, s: Settings, mesh: Mesh, *, processes: int = 1,
-                  per_layer: bool | None = None) -> GRPOTrainer:
+                  per_layer: bool | None = None, unroll_head: int = 1) -> GRPOTrainer:
     return GRPOTrainer(model, s.grpo, s.optim, micro_batch=micro_batch(config, processes),
                        logprob_chunk=config.rl.logprob_chunk, per_layer=per_layer,
-                       group_size=config.rollout.group_size, shards=batch_shards(mesh))
+                       group_size=config.rollout.group_size, shards=batch_shards(mesh), unroll_head=unroll_head)
 
 
 # -- a training run ------------------------------------------------------------------------

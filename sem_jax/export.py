@@ -27,7 +27,7 @@ from sem_jax.checkpoint import Checkpointer
 from sem_jax.assemble import init_model_config
 from sem_jax.model import Qwen2, save_pretrained
 from sem_jax.model.hf_io import read_config
-from sem_jax.model.tokenizer import load_tokenizer
+from sem_jax.model.tokenizer import load_tokenizer, save_tokenizer
 
 
 def define_flags():
@@ -77,7 +77,7 @@ def write_hf_dir(model: Qwen2, tokenizer, out: str, *, dtype: Any = None, max_sh
     save_pretrained(model, tmp, dtype=None if dtype is None else jnp.dtype(dtype), max_shard_size=max_shard_size)
     if not main:
         return
-    tokenizer.save_pretrained(tmp)
+    save_tokenizer(tokenizer, tmp)
     for name, obj in (extra or {}).items():
         with open(os.path.join(tmp, name), "w") as fh:
             json.dump(obj, fh, indent=2)

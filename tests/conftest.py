@@ -2,9 +2,13 @@
 
 import os
 
-# Before jax is imported anywhere: 8 host devices for the multi-device tests, and
-# never try an accelerator (libtpu prints errors on a CPU host when jax[tpu] is in).
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+from subprocs import xla_flags
+
+# Before jax is imported anywhere: 8 host devices for the multi-device tests, LLVM at -O0 (see
+# subprocs.py), and never try an accelerator (libtpu prints errors on a CPU host when jax[tpu] is in).
+# The real-model checks (`make test-real`) are execution-bound: they keep LLVM's optimisations.
+if "XLA_FLAGS" not in os.environ:
+    os.environ["XLA_FLAGS"] = xla_flags(8, fast_compile="SEM_JAX_REAL_MODEL" not in os.environ)
 os.environ["JAX_PLATFORMS"] = "cpu"
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -31,7 +35,16 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "real: needs the real Qwen2.5 checkpoint (make test-real)")
 
 
+# The files with the longest tests (their CLI runs compile), in the order `make test`'s two
+# workers should take them up: whole files go to whichever worker is free (--dist loadfile), and
+# longest first leaves no worker running one long file alone at the end.
+LONG_FILES = ("test_train.py", "test_demo.py", "test_data_eval_export.py", "test_scale.py", "test_grpo.py",
+              "test_sft.py")
+
+
 def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(LONG_FILES)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(LONG_FILES)))  # stable: file order kept within
     if os.environ.get(REAL_MODEL_ENV):
         return
     skip = pytest.mark.skip(reason=f"real-model test: run `make test-real` (or set {REAL_MODEL_ENV}=DIR)")

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from sem_jax.checkpoint import Checkpointer
+from subprocs import cpu_env
 
 
 def _tree(seed):
@@ -53,7 +54,7 @@ def test_killed_during_a_save_keeps_the_previous_step(tmp_path):
         time.sleep(60)
     """)
     proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True,
-                            env=dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=""))
+                            env=cpu_env())
     for line in proc.stdout:
         if line.startswith("saving 2"):
             proc.send_signal(signal.SIGKILL)  # async save of step 2 may be anywhere

@@ -13,6 +13,7 @@ from policies import ScriptedPolicy
 from sem_jax.data.example import Example
 from sem_jax.data.mix import process_share, sem_mix
 from sem_jax.data.sources import load_source
+from subprocs import cpu_env
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -214,7 +215,7 @@ def test_export_and_evaluate_cli_on_a_trained_checkpoint(tmp_path):
     from sem_jax.model import from_pretrained
 
     run = tmp_path / "run"
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")
+    env = cpu_env()
     proc = subprocess.run([sys.executable, "-m", "sem_jax.train", f"--config.run_dir={run}",
                            "--config.train.total_steps=1", "--config.data.eval_questions=2",
                            "--config.rollout.max_new_tokens=16"],

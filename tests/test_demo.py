@@ -17,6 +17,7 @@ from sem_jax.protocol.sem import format_results, parse_response
 from sem_jax.retrieval import Retriever
 from sem_jax.rl.loss import token_logprobs
 from sem_jax.sft import copy_pairs, pack, packed_batches
+from subprocs import cpu_env
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMALL = WorldConfig(seed=3, rl_people=30, eval_people=10, warm_people=60)
@@ -174,7 +175,7 @@ def test_demo_config_end_to_end_with_tiny_budgets(tmp_path):
         "--config.world.rl_people=16", "--config.world.eval_people=6", "--config.world.warm_people=40",
         f"--config.train.total_steps={steps}", "--config.train.ckpt_every=1", "--config.data.prompts_per_step=2",
         "--config.rollout.group_size=2", *small_model]
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")
+    env = cpu_env()
     proc = subprocess.run(cmd(2), capture_output=True, text=True, timeout=600, cwd=REPO, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "copying random token strings, 3 steps" in proc.stdout and "lookup traces, 5 steps" in proc.stdout

@@ -6,13 +6,13 @@ import subprocess
 import sys
 import textwrap
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
 from sem_jax import hosts
 from sem_jax.rl.trainer import _micro, _unmicro
 from sem_jax.sharding import make_mesh
+from subprocs import cpu_env
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -83,7 +83,7 @@ def test_two_processes_share_rows_agree_and_catch_diverging_calls(tmp_path):
     with socket.socket() as s:
         s.bind(("localhost", 0))
         addr = f"localhost:{s.getsockname()[1]}"
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=2")
+    env = cpu_env(2)
     for i in (0, 1):
         (tmp_path / f"own{i}").mkdir()
     procs = [subprocess.Popen([sys.executable, "-c", _TWO, addr, str(i), str(tmp_path)], stdout=subprocess.PIPE,

@@ -8,6 +8,7 @@ from policies import TINY, random_qwen2
 
 from sem_jax import hosts
 from sem_jax.sampling import Sampler, SamplingConfig, sample_tokens, stop_automaton_from_bytes
+from sem_jax.sampling import sampler as sm
 
 # Token i is one lower-case letter: "</search>" can never appear.
 NO_STOP = stop_automaton_from_bytes([bytes([97 + i % 26]) for i in range(TINY.vocab_size)], ("</search>",))
@@ -158,3 +159,31 @@ def test_argmax_matches_numpy_with_ties_and_nan():
     x[3, 7] = x[9, :] = np.nan  # a broken row still gets a valid id (a NaN's or a maximum's)
     got = np.asarray(jax.jit(argmax)(x))
     assert got[9] == 0 and (got[3] == 7 or x[3, got[3]] == np.nanmax(x[3]))
+
+
+@pytest.mark.parametrize("per_layer", [False, True])
+def test_sampling_from_weights_cast_to_the_compute_dtype_changes_nothing(per_layer):
+    """float32 master weights, bfloat16 compute: the sampler keeps a bfloat16 copy
+    (`compute_weights`), and its tokens and log-probs are those of sampling from the float32
+    weights themselves (every use casts them first)."""
+    from flax import nnx
+
+    from sem_jax.sampling.sampler import compute_weights
+
+    model = random_qwen2()
+    model.dtype = jnp.bfloat16
+    graphdef, params = nnx.split(model)
+    cast = compute_weights(params, jnp.bfloat16)
+    dtypes = {x.dtype for x in jax.tree.leaves(cast)}
+    assert dtypes == {jnp.dtype(jnp.bfloat16)} and {x.dtype for x in jax.tree.leaves(params)} == {jnp.dtype("float32")}
+    assert compute_weights(cast, jnp.bfloat16) is cast and compute_weights(params, jnp.float32) is params
+    cfg = SamplingConfig(max_new_tokens=12, temperature=1.0)
+    prompts = [[5, 17, 42], [9, 1, 2, 3, 4, 5, 6, 7, 8, 100]]
+    sampler = Sampler(model, NO_STOP, cfg, per_layer=per_layer)
+    assert {x.dtype for x in jax.tree.leaves(sampler.params)} == {jnp.dtype(jnp.bfloat16)}
+    got = sampler.decode(sampler.start(prompts, 2, jax.random.key(3)))
+    sampler.params = params  # the float32 weights as they are
+    sampler.layers = sampler.layers and sm.layer_list(graphdef, params)
+    want = sampler.decode(sampler.start(prompts, 2, jax.random.key(3)))
+    np.testing.assert_array_equal(np.asarray(got.resp), np.asarray(want.resp))
+    np.testing.assert_array_equal(np.asarray(got.resp_logprob), np.asarray(want.resp_logprob))

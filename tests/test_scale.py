@@ -1,5 +1,6 @@
 """Scale-out pieces checkable on a CPU host: the AOT fit check and the TPU pod scripts."""
 
+import json
 import os
 import subprocess
 import sys
@@ -10,8 +11,9 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _aot(*args):
+    # The TPU compiler at its own settings (not the tests' -O0 for the host's programs).
     return subprocess.run([sys.executable, "-m", "sem_jax.aot", *args], capture_output=True, text=True,
-                          timeout=600, cwd=REPO, env=dict(os.environ, JAX_PLATFORMS="cpu"))
+                          timeout=600, cwd=REPO, env=dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=""))
 
 
 def test_aot_check_small_topology():
@@ -30,6 +32,55 @@ def test_aot_check_small_topology():
                "--config.model.init.num_heads=64", "--config.model.init.num_kv_heads=8")
     assert big.returncode == 1, big.stderr[-3000:]
     assert "DOES NOT FIT" in big.stderr and "| NO |" in big.stdout
+
+
+def test_roofline_counts_every_layer_and_step_as_a_hand_count(tmp_path):
+    """XLA's FLOPs per call, loops counted (4 layers, the decode loop, the head's chunks), against
+    a count by hand of what each program computes: every weight twice per token, attention over
+    every slot it reads (masked ones too), the head where it runs; the update 3x its forward
+    plus the head's recompute (remat none)."""
+    pytest.importorskip("libtpu", reason="jax[tpu] (libtpu) not installed: the compile-only TPU check is skipped")
+    out = tmp_path / "roofline.json"
+    run = _aot("--config", "configs/cpu.py", "--topology", "v4:2x2x1", "--roofline", f"--json={out}",
+               "--config.data.max_prompt_tokens=64", "--config.rollout.max_new_tokens=32",
+               "--config.data.prompts_per_step=4", "--config.rollout.group_size=2", "--config.rl.micro_batch=8",
+               "--config.retrieval.top_k=1", "--config.retrieval.max_tokens_per_passage=16",
+               "--config.rollout.max_searches=1", "--config.model.remat=none")
+    assert run.returncode == 0, run.stderr[-3000:]
+    data = json.loads(out.read_text())
+    sh, calls = data["shapes"], {c["name"].split(" (")[0]: c for c in data["calls"]}
+    n, rows, tp, w, wi = sh["devices"], sh["rows"], sh["prompt"], sh["window"], sh["insert"]
+    m, t, r, share = sh["micro_batch"], sh["inputs"], sh["head_positions"], sh["share"]
+    L, E, M, H, K, V = 4, 128, 384, 4, 2, 1088  # configs/cpu.py's model (head_dim 32)
+    D = E // H
+    weights = E * H * D * 2 + 2 * E * K * D + 3 * E * M  # per layer: q, o; k, v; gate, up, down
+    fwd = lambda b, new, seen, heads: (2 * L * weights * b * new + 4 * L * H * D * b * new * seen
+                                       + 2 * E * V * heads)
+    # The update's rows share their prompt in runs of 2 (G = 2, 2 rows per device): each run's
+    # prefix once, then each row's window on top of it (token_logprobs(group=)).
+    train = fwd(m // share, t - r, t - r, 0) + fwd(m, r, t, m * r)
+    hand = {"prefill": fwd(4, tp, tp, 4), "decode step": fwd(rows, 1, w + 1, rows),
+            "insert": fwd(rows, wi, w + wi, rows), "update": 3 * train + 2 * E * V * m * r}
+    assert set(hand) == set(calls) and sh["micro_batches"] == rows // m and share == 2
+    for name, flops in hand.items():
+        assert calls[name]["flops"] == pytest.approx(flops / n, rel=0.1), name
+    assert calls["decode step"]["per_step"] == 32 and calls["insert"]["per_step"] == 1
+    # Predictions: each call's time is its larger bound, summed into the step.
+    v4 = data["chips"]["v4"]
+    for c in data["calls"]:
+        assert v4["calls"][c["name"]]["ms"] == pytest.approx(1e3 * max(c["flops"] / 275e12, c["bytes"] / 1228e9))
+    assert v4["step_s"] == pytest.approx(sum(c["per_step"] * v4["calls"][c["name"]]["ms"] / 1e3 for c in data["calls"]))
+    assert "| decode step (window" in run.stdout and "decode batch:" in run.stdout
+    # Beside a run's measured steps (scripts/roofline_vs_measured.py; the first step compiles).
+    metrics = tmp_path / "metrics.jsonl"
+    times = [(99.0, 9.0, 90.0), (2.0, 1.5, 0.5), (4.0, 2.5, 1.5), (3.0, 1.0, 2.0)]
+    metrics.write_text("".join(json.dumps({"split": "train", "time/step": s, "time/rollout": r, "time/update": u})
+                               + "\n" for s, r, u in times) + json.dumps({"split": "eval", "time/step": 7.0}) + "\n")
+    cmp = subprocess.run([sys.executable, "scripts/roofline_vs_measured.py", str(out), str(metrics), "--chip", "v4"],
+                         capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert cmp.returncode == 0, cmp.stderr
+    step = f"| step | 3.000 | {v4['step_s']:.3f} | {3.0 / v4['step_s']:.2f} |"
+    assert f"| rollout | 1.500 | {v4['rollout_s']:.3f} |" in cmp.stdout and step in cmp.stdout
 
 
 def test_aot_without_tpu_topology_names_the_cause():

@@ -5,7 +5,7 @@ import unicodedata
 
 import pytest
 
-from sem_jax.model.tokenizer import (QWEN25_ADDED_TOKENS, QWEN25_PATTERN, load_tokenizer,
+from sem_jax.model.tokenizer import (QWEN25_ADDED_TOKENS, QWEN25_PATTERN, load_tokenizer, save_tokenizer,
                                      qwen25_ranks_file)
 
 FRAGMENTS = [
@@ -67,6 +67,25 @@ def test_save_and_load_tokenizer_json(qwen25_tokenizer, tmp_path):
     assert text.endswith("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
     with pytest.raises(FileNotFoundError):
         load_tokenizer(str(tmp_path / "missing"))
+
+
+def test_a_tokenizer_saved_again_keeps_its_source_class(qwen25_tokenizer, tmp_path):
+    """Loaded without AutoTokenizer (no torch import), saved again (sem_jax.export) under the
+    class its source named, and loaded by AutoTokenizer as that class with the same ids."""
+    import json
+
+    from transformers import AutoTokenizer
+
+    src, out = tmp_path / "src", tmp_path / "out"
+    qwen25_tokenizer.save_pretrained(str(src))
+    config = json.loads((src / "tokenizer_config.json").read_text())
+    (src / "tokenizer_config.json").write_text(json.dumps(dict(config, tokenizer_class="Qwen2Tokenizer")))
+    save_tokenizer(load_tokenizer(str(src)), str(out))
+    assert json.loads((out / "tokenizer_config.json").read_text())["tokenizer_class"] == "Qwen2Tokenizer"
+    again = AutoTokenizer.from_pretrained(str(out), local_files_only=True)
+    assert type(again).__name__ == "Qwen2Tokenizer"
+    for s in _strings(40, seed=2):
+        assert again.encode(s, add_special_tokens=False) == qwen25_tokenizer.encode(s, add_special_tokens=False)
 
 
 def test_a_directory_without_tokenizer_files_says_so(tmp_path):

@@ -20,6 +20,7 @@ from sem_jax.model.tokenizer import train_bpe_tokenizer
 from sem_jax.config import cpu_config
 from sem_jax.protocol import SEM
 from sem_jax.sft import supervised_finetune
+from subprocs import cpu_env
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEMO_PROMPT = cpu_config().system_prompt
@@ -57,7 +58,7 @@ def _cmd(run_dir, model_dir, *extra):
 
 
 def _env(devices=1):
-    return dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
+    return cpu_env(devices)
 
 
 def _train(run_dir, model_dir, *extra, check=True):

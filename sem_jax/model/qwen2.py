@@ -189,22 +189,14 @@ def attention(q: jax.Array, k: jax.Array | None, v: jax.Array | None, mask: jax.
         return jnp.einsum("bkgts,bskd->btkgd", probs, v).reshape(b, t, h, d)
     k_cache, v_cache, cache_mask = cache
     s = k_cache.shape[2]
-    if t == 1:
-        # One-token decode is memory bound: multiply-and-reduce reads the cache once
-        # in its stored layout, where a dot would first transpose it (4x slower on CPU).
-        q1 = q[:, 0].astype(jnp.float32)  # [b, k, g, d]
-        old = jnp.sum(q1[:, :, :, None, :] * k_cache[:, :, None, :, :], axis=-1)[:, :, :, None, :]
-    else:
-        old = jnp.einsum("btkgd,bksd->bkgts", q, k_cache, preferred_element_type=jnp.float32)
+    # Dots also for a one-token decode: they read the cache in its stored dtype, where a float32
+    # multiply-and-reduce made the TPU program write a float32 copy of each layer's window.
+    old = jnp.einsum("btkgd,bksd->bkgts", q, k_cache, preferred_element_type=jnp.float32)
     cm = cache_mask[:, None, None, None, :] if cache_mask.ndim == 2 else cache_mask[:, None, None, :, :]
     old = jnp.where(cm, old * scale, neg)
     probs = jax.nn.softmax(jnp.concatenate([old, scores], axis=-1), axis=-1)
     p_old = probs[..., :s]
-    if t == 1:
-        out_old = jnp.sum(p_old[:, :, :, 0, :, None] * v_cache[:, :, None, :, :], axis=-2)[:, None]
-        out_old = out_old.astype(v_cache.dtype)
-    else:
-        out_old = jnp.einsum("bkgts,bksd->btkgd", p_old.astype(v_cache.dtype), v_cache)
+    out_old = jnp.einsum("bkgts,bksd->btkgd", p_old.astype(v_cache.dtype), v_cache)
     out = out_old + jnp.einsum("bkgts,bskd->btkgd", probs[..., s:].astype(v.dtype), v)
     return out.reshape(b, t, h, d)
 
@@ -213,10 +205,13 @@ class Qwen2(nnx.Module):
     """Qwen2 causal LM. `model(tokens [B, T]) -> logits [B, T, V]` (float32)."""
 
     def __init__(self, config: Qwen2Config, *, rngs: nnx.Rngs, param_dtype: Any = jnp.float32,
-                 dtype: Any = jnp.float32, remat: str = "none"):
+                 dtype: Any = jnp.float32, remat: str = "none", scan_unroll: int = 1):
         if remat not in REMAT_POLICIES:
             raise ValueError(f"remat={remat!r}; choose one of {sorted(REMAT_POLICIES)}")
         self.config = config
+        # Layers per iteration of the layer scans. XLA's cost analysis counts a loop's body once,
+        # so `sem_jax.roofline` compiles 1 and 2 and takes one layer's cost as the difference.
+        self.scan_unroll = scan_unroll
         self.dtype = dtype
         self.param_dtype = param_dtype
         self.remat = remat
@@ -354,7 +349,7 @@ class Qwen2(nnx.Module):
             for p in layers:
                 x, _ = layer(x, p)
         else:
-            x, _ = jax.lax.scan(layer, x, self._stacked())
+            x, _ = jax.lax.scan(layer, x, self._stacked(), unroll=self.scan_unroll)
         return rms_norm(x, self.final_norm[...], self.config.rms_norm_eps)
 
     def extend_stacked(self, tokens: jax.Array, cache: KVCache, *, num_new: jax.Array | None = None,
@@ -379,7 +374,7 @@ class Qwen2(nnx.Module):
         # Only the window is read: decode cost grows with the text, not with the cache
         # preallocated for the whole response budget.
         kv_in = (cache.k[:, :, :, :window], cache.v[:, :, :, :window]) if window else (None, None)
-        x, (k_new, v_new) = jax.lax.scan(self._remat(layer), x, (self._stacked(), *kv_in))
+        x, (k_new, v_new) = jax.lax.scan(self._remat(layer), x, (self._stacked(), *kv_in), unroll=self.scan_unroll)
         # One write for all layers. Advanced indices split by a slice come first: values are [B, T, L, K, D].
         put = lambda x: jnp.moveaxis(x, 0, 2).astype(cache.k.dtype)
         k_all = cache.k.at[:, rows, :, positions].set(put(k_new), mode="drop")

@@ -7,9 +7,10 @@ The Qwen2.5 build uses the 151,643 byte-level BPE ranks that the PyPI package
 
 from __future__ import annotations
 
+import json
 import os
 
-from transformers import AutoTokenizer, PreTrainedTokenizerFast
+from transformers import PreTrainedTokenizerFast
 
 QWEN25_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
                   r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
@@ -52,10 +53,36 @@ def load_tokenizer(path: str) -> PreTrainedTokenizerFast:
     if not any(os.path.exists(os.path.join(path, f)) for f in TOKENIZER_FILES):
         raise FileNotFoundError(f"{path}: no tokenizer in this directory (looked for {', '.join(TOKENIZER_FILES)}); "
                                 "copy the model's tokenizer files there, or point model.tokenizer at them")
-    tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=False, local_files_only=True)
+    if os.path.exists(os.path.join(path, "tokenizer.json")):
+        # A fast tokenizer loads as itself: AutoTokenizer would import torch (through
+        # transformers' configuration module) at every start, for the same tokenizer.
+        tokenizer = PreTrainedTokenizerFast.from_pretrained(path, local_files_only=True)
+    else:
+        from transformers import AutoTokenizer
+        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=False, local_files_only=True)
     if len(tokenizer) == 0:
         raise ValueError(f"{path}: the tokenizer files there define an empty vocabulary")
     return tokenizer
+
+
+def save_tokenizer(tokenizer: PreTrainedTokenizerFast, out: str) -> None:
+    """`tokenizer.save_pretrained(out)`, naming the class its source directory named (e.g.
+    Qwen2Tokenizer), not the generic class it was loaded as, so that every transformers version
+    loads it as the source model's tokenizer."""
+    tokenizer.save_pretrained(out)
+    src = os.path.join(tokenizer.name_or_path or "", "tokenizer_config.json")
+    if not os.path.isfile(src):
+        return
+    with open(src) as fh:
+        cls = json.load(fh).get("tokenizer_class")
+    dst = os.path.join(out, "tokenizer_config.json")
+    with open(dst) as fh:
+        saved = json.load(fh)
+    if cls and saved.get("tokenizer_class") != cls:
+        saved["tokenizer_class"] = cls
+        with open(dst, "w") as fh:
+            json.dump(saved, fh, indent=2, ensure_ascii=False)
+            fh.write("\n")
 
 
 def qwen25_ranks_file() -> str:

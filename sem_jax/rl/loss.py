@@ -27,7 +27,8 @@ class GRPOConfig:
 
 def token_logprobs(model: Qwen2, inputs: jax.Array, targets: jax.Array, chunk: int = 128,
                    segment_ids: jax.Array | None = None, per_layer: bool = False,
-                   start: jax.Array | None = None, group: int = 1) -> tuple[jax.Array, jax.Array]:
+                   start: jax.Array | None = None, group: int = 1,
+                   unroll_head: int = 1) -> tuple[jax.Array, jax.Array]:
     """log p(target | inputs up to its position) and entropy, float32 in the shape of `targets`,
     without ever holding [B, T, V].
 
@@ -44,6 +45,9 @@ def token_logprobs(model: Qwen2, inputs: jax.Array, targets: jax.Array, chunk: i
     prefix is then computed once, into a KV cache copied to its rows, and each row runs only its
     R window positions on top of it: the same values (and gradients, summed over the run), for
     the prompt's work once per group instead of once per row, as the sampler's prefill does.
+
+    `unroll_head`: chunks per iteration of the loop over them (the same values): XLA's cost
+    analysis counts a loop's body once, so `sem_jax.roofline` compiles 1 and 2.
     """
     layers = model.layer_list() if per_layer else None
     if start is None:
@@ -54,9 +58,7 @@ def token_logprobs(model: Qwen2, inputs: jax.Array, targets: jax.Array, chunk: i
         hidden = _window_hidden(model, inputs, start, targets.shape[1], group, layers)
     w = model.lm_head_weight()
     b, t, e = hidden.shape
-    chunk = min(chunk, t)
-    while t % chunk:  # bucketed lengths (2^k, 3 * 2^(k-1)) have large power-of-two divisors
-        chunk //= 2
+    chunk = head_chunk(t, chunk)
     h = hidden.reshape(b, t // chunk, chunk, e).swapaxes(0, 1)
     tg = targets.reshape(b, t // chunk, chunk).swapaxes(0, 1)
 
@@ -70,8 +72,16 @@ def token_logprobs(model: Qwen2, inputs: jax.Array, targets: jax.Array, chunk: i
         ent = lse - jnp.sum(probs * logits, axis=-1)
         return lp, jax.lax.stop_gradient(ent)
 
-    lp, ent = jax.lax.map(one, (h, tg))
+    _, (lp, ent) = jax.lax.scan(lambda c, x: (c, one(x)), None, (h, tg), unroll=unroll_head)
     return lp.swapaxes(0, 1).reshape(b, t), ent.swapaxes(0, 1).reshape(b, t)
+
+
+def head_chunk(t: int, chunk: int) -> int:
+    """Positions per chunk of the LM head over `t` positions: at most `chunk`, dividing `t`."""
+    chunk = min(chunk, t)
+    while t % chunk:  # bucketed lengths (2^k, 3 * 2^(k-1)) have large power-of-two divisors
+        chunk //= 2
+    return chunk
 
 
 def _window_hidden(model: Qwen2, inputs: jax.Array, start: jax.Array, width: int, group: int,

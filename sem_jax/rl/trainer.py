@@ -94,10 +94,11 @@ class GRPOTrainer:
 
     def __init__(self, model: Any, grpo: GRPOConfig, optim: OptimConfig, *, micro_batch: int,
                  logprob_chunk: int = 128, per_layer: bool | None = None, group_size: int = 1, shards: int = 1,
-                 objective: str = "grpo"):
+                 objective: str = "grpo", unroll_head: int = 1):
         if objective not in OBJECTIVES:
             raise ValueError(f"objective={objective!r}; choose one of {OBJECTIVES}")
         self.objective = objective
+        self.unroll_head = unroll_head  # see token_logprobs: for XLA's cost analysis only
         self.graphdef, _ = nnx.split(model)
         self.grpo, self.micro_batch, self.chunk = grpo, micro_batch, logprob_chunk
         self.share = math.gcd(micro_batch // shards, group_size) if micro_batch % shards == 0 else 1
@@ -129,7 +130,7 @@ class GRPOTrainer:
         start = mb.get("start")
         return token_logprobs(nnx.merge(self.graphdef, params), mb["inputs"], mb["targets"], self.chunk,
                               segment_ids=mb.get("segment_ids"), per_layer=self.per_layer, start=start,
-                              group=1 if start is None else self.share)
+                              group=1 if start is None else self.share, unroll_head=self.unroll_head)
 
     def _update(self, params, opt_state, batch, ref_logprobs):
         def loss_fn(p, mb):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+from functools import partial
 from typing import Any
 
 import jax
@@ -199,12 +200,36 @@ def _prefill(graphdef, params, layers, prompts, lengths, key, *, group_size: int
     return SamplerState(cache=cache, key=key, **fields)
 
 
+def decode_step(model: Qwen2, layers, s: SamplerState, stop_table, eos_ids, *, cfg: SamplingConfig,
+                 window: int | None) -> SamplerState:
+    """One token for every active row: the decode loop's body."""
+    rows = jnp.arange(s.resp.shape[0])
+    key, sub = jax.random.split(s.key)
+    active = s.active
+    tok, logprob = sample_tokens(s.logits, sub, cfg)
+    at = jnp.where(active, s.resp_len, s.resp.shape[1])  # inactive rows write nowhere
+    resp = s.resp.at[rows, at].set(tok, mode="drop")
+    resp_logprob = s.resp_logprob.at[rows, at].set(logprob, mode="drop")
+    resp_sampled = s.resp_sampled.at[rows, at].set(True, mode="drop")
+    resp_len = s.resp_len + active
+    num_sampled = s.num_sampled + active
+    code = stop_table[tok, s.stop_state]
+    stop_state = jnp.where(active, code >> 1, s.stop_state)
+    eos = active & jnp.isin(tok, eos_ids)
+    done = s.done | eos | (active & ((num_sampled >= cfg.max_new_tokens) | (resp_len >= s.resp.shape[1])))
+    paused = s.paused | (active & ~done & ((code & 1) == 1))
+    logits, cache = model.extend(tok[:, None], s.cache, active.astype(jnp.int32), window=window, layers=layers)
+    return SamplerState(
+        cache=cache, logits=jnp.where(active[:, None], logits[:, 0], s.logits), resp=resp,
+        resp_logprob=resp_logprob, resp_sampled=resp_sampled, resp_len=resp_len, num_sampled=num_sampled,
+        stop_state=stop_state, paused=paused, eos=s.eos | eos, done=done, key=key)
+
+
 def _decode(graphdef, params, layers, state: SamplerState, stop_table, eos_ids, max_steps, *,
             cfg: SamplingConfig, window: int) -> tuple[SamplerState, jax.Array]:
     """Decode until every row is done or paused, after `max_steps` steps, or before an active
     row would read past the first `window` cache slots. Returns the state and `progress` after."""
     model: Qwen2 = nnx.merge(graphdef, params)
-    rows = jnp.arange(state.resp.shape[0])
     full = state.cache
     # A per-layer cache decodes in a copy of the slots the loop can touch (the window and the
     # slot each step writes), copied back after it: a window sliced out of the whole cache at
@@ -221,26 +246,8 @@ def _decode(graphdef, params, layers, state: SamplerState, stop_table, eos_ids, 
 
     def body(carry):
         step, s = carry
-        key, sub = jax.random.split(s.key)
-        active = s.active
-        tok, logprob = sample_tokens(s.logits, sub, cfg)
-        at = jnp.where(active, s.resp_len, s.resp.shape[1])  # inactive rows write nowhere
-        resp = s.resp.at[rows, at].set(tok, mode="drop")
-        resp_logprob = s.resp_logprob.at[rows, at].set(logprob, mode="drop")
-        resp_sampled = s.resp_sampled.at[rows, at].set(True, mode="drop")
-        resp_len = s.resp_len + active
-        num_sampled = s.num_sampled + active
-        code = stop_table[tok, s.stop_state]
-        stop_state = jnp.where(active, code >> 1, s.stop_state)
-        eos = active & jnp.isin(tok, eos_ids)
-        done = s.done | eos | (active & ((num_sampled >= cfg.max_new_tokens) | (resp_len >= s.resp.shape[1])))
-        paused = s.paused | (active & ~done & ((code & 1) == 1))
-        logits, cache = model.extend(tok[:, None], s.cache, active.astype(jnp.int32),
-                                     window=None if buffered else window, layers=layers)
-        return step + 1, SamplerState(
-            cache=cache, logits=jnp.where(active[:, None], logits[:, 0], s.logits), resp=resp,
-            resp_logprob=resp_logprob, resp_sampled=resp_sampled, resp_len=resp_len, num_sampled=num_sampled,
-            stop_state=stop_state, paused=paused, eos=s.eos | eos, done=done, key=key)
+        return step + 1, decode_step(model, layers, s, stop_table, eos_ids, cfg=cfg,
+                                      window=None if buffered else window)
 
     steps, state = jax.lax.while_loop(cond, body, (jnp.int32(0), state))
     if buffered:
@@ -275,6 +282,26 @@ def _insert(graphdef, params, layers, state: SamplerState, ids, n, end_rows, *, 
         resp_sampled=state.resp_sampled.at[rows, cols].set(False, mode="drop"),
         resp_len=resp_len, stop_state=jnp.where(got, 0, state.stop_state),
         paused=jnp.zeros_like(state.paused), done=state.done | end_rows | (resp_len >= width))
+
+
+def _wider(x, dtype: jnp.dtype) -> bool:
+    return jnp.issubdtype(x.dtype, jnp.floating) and jnp.dtype(x.dtype).itemsize > dtype.itemsize
+
+
+def compute_weights(params: Any, dtype: Any) -> Any:
+    """`params` with floating weights wider than `dtype` cast to it (others as they are; the same
+    tree when none is): every use in `Qwen2` casts a weight to the compute dtype first, so
+    sampling from the cast copy gives the same values while each decode step reads (and an FSDP
+    mesh gathers) half the bytes of float32 master weights."""
+    dtype = jnp.dtype(dtype)
+    if not any(_wider(x, dtype) for x in jax.tree.leaves(params)):
+        return params
+    return _cast_wider(params, dtype)
+
+
+@partial(jax.jit, static_argnums=1)
+def _cast_wider(params, dtype):
+    return jax.tree.map(lambda x: x.astype(dtype) if _wider(x, dtype) else x, params)
 
 
 # The compiled step functions (graph definition static; weights and state as arguments, the
@@ -312,14 +339,15 @@ class Sampler:
                  max_steps_per_call: int | None = None, mesh: jax.sharding.Mesh | None = None,
                  calls: hosts.CallLog | None = None, window_steps: int = 32, per_layer: bool | None = None,
                  max_prompt_tokens: int | None = None):
-        self.graphdef, self.params = nnx.split(model)
+        self.graphdef, params = nnx.split(model)
+        self.cache_dtype = model.dtype
+        self.params = compute_weights(params, self.cache_dtype)
         self.max_prompt_tokens = max_prompt_tokens  # longer prompts are refused, not compiled for
         self.per_layer = per_layer_default() if per_layer is None else per_layer
         self.layers = layer_list(self.graphdef, self.params) if self.per_layer else None
         self.config = cfg
         self.mesh = mesh
         self.calls = calls or hosts.CallLog(False)
-        self.cache_dtype = model.dtype
         vocab = model.config.vocab_size
         table = stop.table
         if table.shape[0] < vocab:  # model rows past the tokenizer: no bytes, no state change
@@ -353,8 +381,8 @@ class Sampler:
 
     def set_params(self, params: Any) -> None:
         """Use new policy weights (same structure) for the next rollouts."""
-        self.params = params
-        self.layers = layer_list(self.graphdef, params) if self.per_layer else None
+        self.params = compute_weights(params, self.cache_dtype)
+        self.layers = layer_list(self.graphdef, self.params) if self.per_layer else None
 
     def release(self) -> None:
         """Drop the weights and their per-layer copies (a model's worth of memory on the CPU path)

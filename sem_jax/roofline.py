@@ -1,0 +1,372 @@
+"""A roofline of one GRPO step from the compiled programs: XLA's counts beside the ideal, and
+predicted times on each chip.
+
+    python -m sem_jax.aot --config configs/tpu_v4.py --topology v4:2x2x4 --roofline [--json FILE]
+
+For every call a step makes (the prefill, one decode step, one insert, the reference pass and the
+update, the last two for one micro-batch), at the config's shapes, on its mesh, for the target:
+
+- XLA's own cost analysis of the compiled program: FLOPs and HBM bytes per device. XLA counts a
+  loop's body once, so each call is compiled twice, its layer scan running one and then two
+  layers per iteration: one layer's cost is the difference, and the call's is the first count plus
+  (layers - 1) differences. A decode step is the difference between a loop of the sampler's decode
+  step running two and one of them per iteration; the update and the reference pass are compiled
+  for one micro-batch, their loop over the LM head's chunks counted as the layers are; the TPU
+  compiler's windowed einsums (loops of its own) are turned off (`TPU_ANALYSIS_FLAGS`).
+- the ideal: the model's FLOPs (2 per weight per token, causal attention, the head where it runs;
+  3x for the update, plus what the remat policy recomputes) and the bytes that must move (the
+  weights once in the compute dtype, the KV window read, this call's keys and values written),
+  divided evenly over the devices.
+- the predicted time per call on each chip of CHIPS: the larger of FLOPs / peak and bytes /
+  bandwidth (each chip's time for the target's per-device program), and from them the step: one
+  prefill, `max_new_tokens` decode steps at the full window, `max_searches` inserts, and a
+  reference pass and an update per micro-batch (an upper bound for the rollout: every row
+  sampling its whole budget).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from ml_collections import ConfigDict
+
+from sem_jax.aot import abstract_model, narrower
+from sem_jax.assemble import build_mesh, build_trainer, inserted_tokens, micro_batch, settings
+from sem_jax.hosts import batch_shards
+from sem_jax.model import Qwen2Config
+from sem_jax.rl.loss import head_chunk
+from sem_jax.rl.trainer import LOGPROB_KEYS
+from sem_jax.sampling.sampler import bucket_length, decode_step, insert_step, prefill_step
+from sem_jax.sharding import batch_sharding, match_param_shardings
+
+
+# The SPMD partitioner turns a matmul with an FSDP-sharded weight into a loop over the shards
+# (a windowed einsum: collective-permutes beside partial matmuls), whose body XLA's cost analysis
+# counts once. Turned off for the analysis: the same FLOPs, the gathered weight then written
+# once more than with the overlap.
+TPU_ANALYSIS_FLAGS = ("--xla_tpu_enable_windowed_einsum_for_all_gather=false",
+                      "--xla_tpu_enable_windowed_einsum_for_reduce_scatter=false")
+
+
+def set_analysis_flags() -> None:
+    """Add TPU_ANALYSIS_FLAGS to LIBTPU_INIT_ARGS: before libtpu starts (the first TPU topology)."""
+    args = os.environ.get("LIBTPU_INIT_ARGS", "")
+    os.environ["LIBTPU_INIT_ARGS"] = " ".join([args, *(f for f in TPU_ANALYSIS_FLAGS if f not in args)]).strip()
+
+
+@dataclasses.dataclass(frozen=True)
+class Chip:
+    flops: float  # dense bf16 FLOP/s per device
+    hbm: float    # HBM bytes/s per device
+
+
+# Per device as jax sees it: a chip (v4 and v5p run their two TensorCores as one device).
+CHIPS = {
+    "v4": Chip(275e12, 1228e9),
+    "v5e": Chip(197e12, 819e9),
+    "v5p": Chip(459e12, 2765e9),
+    "v6e": Chip(918e12, 1640e9),
+    "H100": Chip(989e12, 3350e9),  # SXM
+    "H200": Chip(989e12, 4800e9),
+}
+
+
+@dataclasses.dataclass
+class Call:
+    name: str
+    per_step: int             # how often a GRPO step makes this call
+    flops: float              # XLA's count, per device
+    bytes: float
+    ideal_flops: float        # the model's FLOPs, per device
+    ideal_bytes: float
+    remat_flops: float = 0.0  # the update's ideal plus the remat policy's recompute
+    part: str = "rollout"     # rollout or update (the reference pass counts with the update)
+    error: str = ""
+
+    def seconds(self, chip: Chip) -> float:
+        return max(self.flops / chip.flops, self.bytes / chip.hbm)
+
+
+def cost(compiled) -> dict[str, float]:
+    c = compiled.cost_analysis()
+    c = (c[0] if isinstance(c, (list, tuple)) else c) or {}
+    return {k: float(c.get(k, 0.0)) for k in ("flops", "bytes accessed")}
+
+
+def counted(lower, loops: dict[str, int]) -> tuple[dict[str, float], object]:
+    """A call's cost with each loop of `loops` (name -> trip count) counted that many times, and
+    the program as it runs. `lower(**unrolls)` lowers the call with `unrolls[name]` iterations
+    of each loop per iteration of its `lax.scan`: the base compile runs one of each, and one
+    iteration of a loop costs the difference made by unrolling it by 2 (halved for an odd count:
+    the scan then runs its remainder beside the loop)."""
+    base = lower(**{k: 1 for k in loops}).compile()
+    c0 = cost(base)
+    total = dict(c0)
+    for name, n in loops.items():
+        if n < 2:
+            continue
+        c = cost(lower(**{k: 2 if k == name else 1 for k in loops}).compile())
+        for k in total:
+            total[k] += (n - 1) * (c[k] - c0[k]) / (2 if n % 2 else 1)
+    return total, base
+
+
+@partial(jax.jit, static_argnums=0, static_argnames=("cfg", "window", "steps"), donate_argnums=2)
+def decode_steps(graphdef, params, state, stop_table, eos_ids, *, cfg, window: int, steps: int):
+    """The sampler's decode loop with `steps` decode steps per iteration (and a fixed trip count):
+    one step's cost is the difference of 2 and 1, its carry laid out as the real loop's is."""
+    model = nnx.merge(graphdef, params)
+
+    def body(carry):
+        i, s = carry
+        for _ in range(steps):
+            s = decode_step(model, None, s, stop_table, eos_ids, cfg=cfg, window=window)
+        return i + 1, s
+    return jax.lax.while_loop(lambda c: c[0] < 8, body, (jnp.int32(0), state))[1]
+
+
+# -- the ideal --------------------------------------------------------------------------------
+
+def layer_flops(c: Qwen2Config, rows: int, new: int, past: int) -> tuple[float, float]:
+    """(matmul, causal attention) FLOPs of the layers for `rows` rows appending `new` tokens
+    after `past` cached ones."""
+    matmul = 2 * (c.matmul_params - c.vocab_size * c.hidden_size) * rows * new
+    attention = 4 * c.num_layers * c.num_heads * c.head_dim * rows * new * (past + (new + 1) / 2)
+    return matmul, attention
+
+
+def forward_flops(c: Qwen2Config, rows: int, new: int, past: int, head_rows: int) -> float:
+    """The layers' FLOPs (`layer_flops`) and the LM head's on `head_rows` positions in all."""
+    return sum(layer_flops(c, rows, new, past)) + 2 * c.vocab_size * c.hidden_size * head_rows
+
+
+def weight_bytes(c: Qwen2Config, itemsize: int) -> float:
+    """Every weight a forward pass reads, once: the layers, the final norm and the head."""
+    e, d, h, k, i = c.hidden_size, c.head_dim, c.num_heads, c.num_kv_heads, c.intermediate_size
+    per_layer = e * d * (2 * h + 2 * k) + 3 * e * i + (h + 2 * k) * d + 2 * e
+    return (c.num_layers * per_layer + e + c.vocab_size * e) * itemsize
+
+
+def kv_bytes(c: Qwen2Config, rows: int, slots: int, itemsize: int) -> float:
+    return 2 * c.num_layers * rows * c.num_kv_heads * c.head_dim * slots * itemsize
+
+
+def training_parts(c: Qwen2Config, rows: int, t: int, w: int, share: int) -> tuple[float, float, float]:
+    """(matmul, attention, head) FLOPs of one `token_logprobs` forward over rows of `t` inputs,
+    the head on `w` positions; runs of `share` rows compute their prefix (t - w) once."""
+    if share == 1:
+        matmul, attention = layer_flops(c, rows, t, 0)
+    else:
+        m1, a1 = layer_flops(c, rows // share, t - w, 0)
+        m2, a2 = layer_flops(c, rows, w, t - w)
+        matmul, attention = m1 + m2, a1 + a2
+    return matmul, attention, 2 * c.vocab_size * c.hidden_size * rows * w
+
+
+def recomputed(parts: tuple[float, float, float], remat: str) -> float:
+    """What the backward pass recomputes: the head's chunks always (they run under
+    jax.checkpoint); the layers' forward under "full"; their attention under "dots_no_batch"."""
+    matmul, attention, head = parts
+    return head + {"full": matmul + attention, "dots_no_batch": attention}.get(remat, 0.0)
+
+
+# -- the calls --------------------------------------------------------------------------------
+
+def analyse(config: ConfigDict, devices: list, mcfg: Qwen2Config) -> tuple[list[Call], dict]:
+    """Compile every call of a step for `devices` (see the module docstring)."""
+    if mcfg.num_layers < 2:
+        raise ValueError("the roofline counts one layer as the difference of two compiles: it needs >= 2 layers")
+    n = len(devices)
+    mesh = build_mesh(config, devices)
+    s = settings(config)
+    dtype, compute = jnp.dtype(config.model.dtype), jnp.dtype(config.model.compute_dtype)
+    item = compute.itemsize
+    # Training in model.dtype; the sampler's weights cast to the compute dtype (compute_weights).
+    models = {u: abstract_model(config, mcfg, mesh, dtype, scan_unroll=u)[0] for u in (1, 2)}
+    params = abstract_model(config, mcfg, mesh, dtype)[2]
+    graphs = {u: abstract_model(config, mcfg, mesh, narrower(dtype, compute), scan_unroll=u)[1] for u in (1, 2)}
+    sampler_params = abstract_model(config, mcfg, mesh, narrower(dtype, compute))[2]
+    L = mcfg.num_layers
+    g, p = config.rollout.group_size, config.data.prompts_per_step
+    rows = p * g
+    micro = micro_batch(config)
+    steps_m = rows // micro
+    resp = s.sampling.response_tokens
+    tp = bucket_length(config.data.max_prompt_tokens)
+    window = tp + resp
+    block, _ = inserted_tokens(config)
+    wi = bucket_length(block, minimum=8)
+    calls: list[Call] = []
+
+    def arr(shape, dt):
+        return jax.ShapeDtypeStruct(shape, dt, sharding=batch_sharding(mesh, shape))
+
+    with jax.set_mesh(mesh):
+        key = jax.eval_shape(lambda: jax.random.key(0))
+        static = dict(group_size=g, cache_len=window, resp_len=resp, cache_dtype=compute)
+        prompts, lengths = arr((p, tp), jnp.int32), arr((p,), jnp.int32)
+        lower = lambda layers: prefill_step.lower(graphs[layers], sampler_params, None, prompts, lengths, key, **static)
+        counts, prefill = counted(lower, {"layers": L})
+        calls.append(Call("prefill", 1, **_split(counts),
+                          ideal_flops=forward_flops(mcfg, p, tp, 0, p) / n,
+                          ideal_bytes=(weight_bytes(mcfg, item) + kv_bytes(mcfg, p, tp, item)) / n))
+        sampler_state = jax.tree.map(
+            lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh),
+            jax.eval_shape(lambda *a: prefill_step(graphs[1], *a, **static), sampler_params, None, prompts, lengths,
+                           key),
+            prefill.output_shardings)
+        states = sum(len(x.encode()) for x in s.protocol.stop_strings) + 1
+        table = jax.ShapeDtypeStruct((mcfg.vocab_size, states), jnp.int32)
+        eos = jax.ShapeDtypeStruct((2,), jnp.int32)
+        lower = lambda k: lambda layers: decode_steps.lower(graphs[layers], sampler_params, sampler_state, table, eos,
+                                                            cfg=s.sampling, window=window, steps=k)
+        (one, decode), (two, _) = counted(lower(1), {"layers": L}), counted(lower(2), {"layers": L})
+        counts = {k: two[k] - one[k] for k in one}
+        calls.append(Call(f"decode step (window {window})", s.sampling.max_new_tokens, **_split(counts),
+                          ideal_flops=forward_flops(mcfg, rows, 1, window, rows) / n,
+                          ideal_bytes=(weight_bytes(mcfg, item) + kv_bytes(mcfg, rows, window, item)) / n))
+        if config.rollout.max_searches:
+            ids, nn, end = arr((rows, wi), jnp.int32), arr((rows,), jnp.int32), arr((rows,), jnp.bool_)
+            lower = lambda layers: insert_step.lower(graphs[layers], sampler_params, None, sampler_state, ids, nn, end,
+                                                     window=window)
+            calls.append(Call(f"insert ({wi} tokens)", config.rollout.max_searches,
+                              **_split(counted(lower, {"layers": L})[0]),
+                              ideal_flops=forward_flops(mcfg, rows, wi, window, rows) / n,
+                              ideal_bytes=(weight_bytes(mcfg, item) + kv_bytes(mcfg, rows, window + wi, item)) / n))
+
+        trainers = {(u, h): build_trainer(config, models[u], s, mesh, per_layer=False, unroll_head=h)
+                    for u, h in ((1, 1), (2, 1), (1, 2))}
+        share = trainers[1, 1].share
+        opt_shapes = jax.eval_shape(trainers[1, 1].tx.init, params)
+        opt = jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), opt_shapes,
+                           match_param_shardings(opt_shapes, params, mesh))
+        t = bucket_length(config.data.max_prompt_tokens + resp - 1, 32)
+        w = bucket_length(resp, 32)
+        loops = {"layers": L, "head": w // head_chunk(w, config.rl.logprob_chunk)}
+        batch = {"inputs": arr((micro, t), jnp.int32), "start": arr((micro,), jnp.int32),
+                 "targets": arr((micro, w), jnp.int32), "mask": arr((micro, w), jnp.float32),
+                 "advantages": arr((micro,), jnp.float32), "sampler_logprobs": arr((micro, w), jnp.float32)}
+        parts = training_parts(mcfg, micro, t, w, share)
+        fwd = sum(parts)
+        ref = arr((micro, w), jnp.float32) if s.grpo.beta > 0 else None
+        if ref is not None:
+            lp_in = {k: batch[k] for k in LOGPROB_KEYS if k in batch}
+            lower = lambda layers, head: trainers[layers, head].logprobs_fn.lower(params, lp_in)
+            calls.append(Call(f"reference pass ({micro} rows)", steps_m, **_split(counted(lower, loops)[0]),
+                              ideal_flops=fwd / n, ideal_bytes=weight_bytes(mcfg, item) / n, part="update"))
+        lower = lambda layers, head: trainers[layers, head].update_fn.lower(params, opt, batch, ref)
+        calls.append(Call(f"update ({micro} rows)", steps_m, **_split(counted(lower, loops)[0]),
+                          ideal_flops=3 * fwd / n, ideal_bytes=0.0, part="update",
+                          remat_flops=(3 * fwd + recomputed(parts, config.model.remat)) / n))
+    m = decode.memory_analysis()
+    state_bytes = sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(sampler_state))
+    per_row = n / batch_shards(mesh)  # devices sharing a row (its KV heads split over them)
+    shapes = dict(devices=n, device_kind=devices[0].device_kind, rows=rows, rows_per_device=rows / batch_shards(mesh),
+                  prompt=tp, response=resp, window=window, micro_batch=micro, micro_batches=steps_m, share=share,
+                  inputs=t, head_positions=w, insert=wi,
+                  decode_peak=m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
+                  - m.alias_size_in_bytes, decode_state_per_row=state_bytes / rows / per_row,
+                  kv_per_row=kv_bytes(mcfg, 1, window, item) / per_row)
+    return calls, shapes
+
+
+def _split(c: dict[str, float]) -> dict[str, float]:
+    return dict(flops=c["flops"], bytes=c["bytes accessed"])
+
+
+# -- the report -------------------------------------------------------------------------------
+
+def step_seconds(calls: list[Call], chip: Chip) -> dict[str, float]:
+    out = {"rollout": 0.0, "update": 0.0}
+    for c in calls:
+        out[c.part] += c.per_step * c.seconds(chip)
+    return out
+
+
+def decode_batch(calls: list[Call], shapes: dict, hbm: float) -> dict:
+    """How many rollout rows per device the decode step should run: as many as the HBM left
+    beside its peak holds (each row's sampler state: KV cache and buffers), and no more than
+    the row count at which it turns compute-bound on each chip (the ridge: FLOPs grow with the
+    rows, the bytes of the weights do not)."""
+    d = next(c for c in calls if c.name.startswith("decode step"))
+    now = shapes["rows_per_device"]
+    fit = now + max(0, int((hbm - shapes["decode_peak"]) // shapes["decode_state_per_row"]))
+    f_row, kv_row = d.flops / now, shapes["kv_per_row"]
+    fixed = max(d.bytes - kv_row * now, 0.0)
+    out = dict(now=now, fit=fit, hbm=hbm, chips={})
+    for name, chip in CHIPS.items():
+        slope = f_row * chip.hbm / chip.flops - kv_row
+        ridge = fixed / slope if slope > 0 else math.inf
+        rows = max(now, fit if math.isinf(ridge) else min(fit, math.floor(ridge)))
+        sec = lambda b: max(f_row * b / chip.flops, (fixed + kv_row * b) / chip.hbm)
+        out["chips"][name] = dict(ridge=ridge, rows=rows, tokens_per_s_now=now / sec(now),
+                                  tokens_per_s=rows / sec(rows))
+    return out
+
+
+def summary(calls: list[Call], shapes: dict) -> dict:
+    """Everything `report` prints, as plain data (`--json`)."""
+    chips = {}
+    for name, chip in CHIPS.items():
+        t = step_seconds(calls, chip)
+        per_call = {}
+        for c in calls:
+            sec = c.seconds(chip)
+            per_call[c.name] = dict(ms=1e3 * sec, mfu=c.ideal_flops / (sec * chip.flops) if sec else 0.0,
+                                    bandwidth=c.ideal_bytes / (sec * chip.hbm) if sec else 0.0,
+                                    bound="compute" if c.flops / chip.flops >= c.bytes / chip.hbm else "memory")
+        chips[name] = dict(calls=per_call, rollout_s=t["rollout"], update_s=t["update"],
+                           step_s=t["rollout"] + t["update"])
+    return dict(shapes=shapes, calls=[dataclasses.asdict(c) for c in calls], chips=chips)
+
+
+def report(calls: list[Call], shapes: dict, label: str, hbm: float, group_size: int) -> dict:
+    data = summary(calls, shapes)
+    print(f"{label}: roofline per device ({shapes['devices']} devices, {shapes['rows_per_device']:g} rollout rows "
+          f"per device, {shapes['micro_batches']} micro-batches of {shapes['micro_batch']})")
+    print("| call | per step | GFLOP (XLA) | ideal | XLA / ideal | GB (XLA) | ideal | XLA / ideal |")
+    print("|---|---|---|---|---|---|---|---|")
+    ratio = lambda a, b: f"{a / b:.2f}" if b else "-"
+    for c in calls:
+        ideal = c.remat_flops or c.ideal_flops
+        note = " (with remat)" if c.remat_flops else ""
+        print(f"| {c.name} | {c.per_step} | {c.flops / 1e9:.1f} | {ideal / 1e9:.1f}{note} | {ratio(c.flops, ideal)} | "
+              f"{c.bytes / 1e9:.2f} | {c.ideal_bytes / 1e9:.2f} | {ratio(c.bytes, c.ideal_bytes)} |")
+    names = list(CHIPS)
+    print("\npredicted ms per call, the larger of FLOPs / peak and bytes / bandwidth "
+          "(MFU: the model's FLOPs; BW: the ideal bytes)")
+    print("| call | " + " | ".join(names) + " |")
+    print("|---|" + "---|" * len(names))
+    for c in calls:
+        cells = []
+        for name in names:
+            x = data["chips"][name]["calls"][c.name]
+            util = f"MFU {x['mfu']:.0%}" if c.part == "update" else f"BW {x['bandwidth']:.0%}"
+            cells.append(f"{x['ms']:.2f} ({util})")
+        print(f"| {c.name} | " + " | ".join(cells) + " |")
+    for part in ("rollout", "update", "step"):
+        print(f"| {part} (s) | " + " | ".join(f"{data['chips'][n][part + '_s']:.1f}" for n in names) + " |")
+    b = data["decode_batch"] = decode_batch(calls, shapes, hbm)
+    shards = shapes["rows"] / shapes["rows_per_device"]
+    print(f"\ndecode batch: {b['now']:g} rows per device now; the {hbm / 2**30:.1f} GiB HBM holds about {b['fit']} "
+          f"(the decode step peaks at {shapes['decode_peak'] / 2**30:.2f} GiB, "
+          f"{shapes['decode_state_per_row'] / 2**20:.1f} MiB of sampler state per row)")
+    for name, x in b["chips"].items():
+        ridge = "never (the KV window's bytes grow as fast)" if math.isinf(x["ridge"]) else f"{x['ridge']:.0f} rows"
+        prompts = math.ceil(x["rows"] * shards / group_size)
+        print(f"  {name}: compute-bound from {ridge}; {x['rows']} rows per device (data.prompts_per_step "
+              f"~{prompts}) -> {x['tokens_per_s']:.0f} tokens/s per device, against {x['tokens_per_s_now']:.0f} now")
+    return data
+
+
+def write_json(data: dict, path: str) -> None:
+    with open(path, "w") as fh:
+        json.dump(data, fh, indent=2, default=lambda x: x if math.isfinite(x) else None)
+        fh.write("\n")
