@@ -88,7 +88,6 @@ class Call:
     ideal_bytes: float
     remat_flops: float = 0.0  # the update's ideal plus the remat policy's recompute
     part: str = "rollout"     # rollout or update (the reference pass counts with the update)
-    error: str = ""
 
     def seconds(self, chip: Chip) -> float:
         return max(self.flops / chip.flops, self.bytes / chip.hbm)
