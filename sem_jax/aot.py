@@ -29,7 +29,7 @@ from flax import nnx
 from ml_collections import ConfigDict, config_flags
 
 from sem_jax.assemble import build_mesh, build_trainer, settings
-from sem_jax.config import parse_flags
+from sem_jax.config import eval_dtype, parse_flags
 from sem_jax.model import Qwen2, Qwen2Config
 from sem_jax.model.hf_io import read_config
 from sem_jax.model.presets import preset
@@ -92,10 +92,6 @@ def hbm_per_device(devices: list, override_gib: float | None) -> float:
     if kind not in HBM_GIB:
         raise ValueError(f"unknown HBM size for device kind {kind!r}: pass --hbm_gib")
     return HBM_GIB[kind] * 2**30
-
-
-def eval_dtype(config: ConfigDict) -> jnp.dtype:
-    return jnp.dtype(config.model.eval_dtype or config.model.dtype)
 
 
 def narrower(a, b) -> jnp.dtype:
@@ -175,8 +171,9 @@ def check(config: ConfigDict, topology: str | None = None, hbm_gib: float | None
         p = config.data.prompts_per_step
         # The sampler casts the weights to the compute dtype (`compute_weights`); sem_jax.evaluate
         # samples greedily, one row per question, from parameters in model.eval_dtype.
-        for label, prompts_n, group, param_dtype in (
-                ("sampler", p, g, dtype), (f"eval ({eval_dtype(config).name})", p * g, 1, eval_dtype(config))):
+        evaluated = jnp.dtype(eval_dtype(config))
+        for label, prompts_n, group, param_dtype in (("sampler", p, g, dtype),
+                                                     (f"eval ({evaluated.name})", p * g, 1, evaluated)):
             _, sampler_graph, sampler_params = abstract_model(config, mcfg, mesh, narrower(param_dtype, compute))
             out += sampler_rows(label, sampler_graph, sampler_params, prompts_n, group, config, s, mcfg, mesh, arr)
     return out, hbm

@@ -170,6 +170,11 @@ def paper_recipe(c: ConfigDict) -> ConfigDict:
     return c
 
 
+def eval_dtype(config: ConfigDict) -> str:
+    """The parameter dtype of `sem_jax.evaluate`: `model.eval_dtype`, or `model.dtype` when unset."""
+    return config.model.eval_dtype or config.model.dtype
+
+
 def parse_flags(argv: list[str]) -> list[str]:
     """absl's flag parsing (`app.run(main, flags_parser=parse_flags)`), with an unknown config
     field said in one line (`unknown_field`) instead of a traceback."""

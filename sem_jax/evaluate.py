@@ -25,7 +25,7 @@ from absl import logging as absl_logging
 from flax import nnx
 from ml_collections import ConfigDict, config_flags
 
-from sem_jax.config import parse_flags
+from sem_jax.config import eval_dtype, parse_flags
 from sem_jax.data.example import Example
 from sem_jax.data.mix import stratified_sample
 from sem_jax.distributed import initialize as initialize_distributed
@@ -142,7 +142,7 @@ def load_policy(config, checkpoint: str | None, step: int | None, hf: str | None
     from sem_jax.model import from_pretrained
     from sem_jax.model.tokenizer import load_tokenizer
 
-    dtype = jnp.dtype(config.model.eval_dtype or config.model.dtype)
+    dtype = jnp.dtype(eval_dtype(config))
     if hf:
         return from_pretrained(hf, dtype=dtype, compute_dtype=jnp.dtype(config.model.compute_dtype), mesh=mesh), \
             load_tokenizer(hf)

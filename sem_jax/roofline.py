@@ -96,7 +96,7 @@ class Call:
 def cost(compiled) -> dict[str, float]:
     c = compiled.cost_analysis()
     c = (c[0] if isinstance(c, (list, tuple)) else c) or {}
-    return {k: float(c.get(k, 0.0)) for k in ("flops", "bytes accessed")}
+    return {"flops": float(c.get("flops", 0.0)), "bytes": float(c.get("bytes accessed", 0.0))}
 
 
 def counted(lower, loops: dict[str, int]) -> tuple[dict[str, float], object]:
@@ -188,10 +188,10 @@ def analyse(config: ConfigDict, devices: list, mcfg: Qwen2Config) -> tuple[list[
     dtype, compute = jnp.dtype(config.model.dtype), jnp.dtype(config.model.compute_dtype)
     item = compute.itemsize
     # Training in model.dtype; the sampler's weights cast to the compute dtype (compute_weights).
-    models = {u: abstract_model(config, mcfg, mesh, dtype, scan_unroll=u)[0] for u in (1, 2)}
-    params = abstract_model(config, mcfg, mesh, dtype)[2]
-    graphs = {u: abstract_model(config, mcfg, mesh, narrower(dtype, compute), scan_unroll=u)[1] for u in (1, 2)}
-    sampler_params = abstract_model(config, mcfg, mesh, narrower(dtype, compute))[2]
+    trained = {u: abstract_model(config, mcfg, mesh, dtype, scan_unroll=u) for u in (1, 2)}
+    sampled = {u: abstract_model(config, mcfg, mesh, narrower(dtype, compute), scan_unroll=u) for u in (1, 2)}
+    models, params = {u: m[0] for u, m in trained.items()}, trained[1][2]
+    graphs, sampler_params = {u: m[1] for u, m in sampled.items()}, sampled[1][2]
     L = mcfg.num_layers
     g, p = config.rollout.group_size, config.data.prompts_per_step
     rows = p * g
@@ -213,7 +213,7 @@ def analyse(config: ConfigDict, devices: list, mcfg: Qwen2Config) -> tuple[list[
         prompts, lengths = arr((p, tp), jnp.int32), arr((p,), jnp.int32)
         lower = lambda layers: prefill_step.lower(graphs[layers], sampler_params, None, prompts, lengths, key, **static)
         counts, prefill = counted(lower, {"layers": L})
-        calls.append(Call("prefill", 1, **_split(counts),
+        calls.append(Call("prefill", 1, **counts,
                           ideal_flops=forward_flops(mcfg, p, tp, 0, p) / n,
                           ideal_bytes=(weight_bytes(mcfg, item) + kv_bytes(mcfg, p, tp, item)) / n))
         sampler_state = jax.tree.map(
@@ -228,7 +228,7 @@ def analyse(config: ConfigDict, devices: list, mcfg: Qwen2Config) -> tuple[list[
                                                             cfg=s.sampling, window=window, steps=k)
         (one, decode), (two, _) = counted(lower(1), {"layers": L}), counted(lower(2), {"layers": L})
         counts = {k: two[k] - one[k] for k in one}
-        calls.append(Call(f"decode step (window {window})", s.sampling.max_new_tokens, **_split(counts),
+        calls.append(Call(f"decode step (window {window})", s.sampling.max_new_tokens, **counts,
                           ideal_flops=forward_flops(mcfg, rows, 1, window, rows) / n,
                           ideal_bytes=(weight_bytes(mcfg, item) + kv_bytes(mcfg, rows, window, item)) / n))
         if config.rollout.max_searches:
@@ -236,7 +236,7 @@ def analyse(config: ConfigDict, devices: list, mcfg: Qwen2Config) -> tuple[list[
             lower = lambda layers: insert_step.lower(graphs[layers], sampler_params, None, sampler_state, ids, nn, end,
                                                      window=window)
             calls.append(Call(f"insert ({wi} tokens)", config.rollout.max_searches,
-                              **_split(counted(lower, {"layers": L})[0]),
+                              **counted(lower, {"layers": L})[0],
                               ideal_flops=forward_flops(mcfg, rows, wi, window, rows) / n,
                               ideal_bytes=(weight_bytes(mcfg, item) + kv_bytes(mcfg, rows, window + wi, item)) / n))
 
@@ -258,10 +258,10 @@ def analyse(config: ConfigDict, devices: list, mcfg: Qwen2Config) -> tuple[list[
         if ref is not None:
             lp_in = {k: batch[k] for k in LOGPROB_KEYS if k in batch}
             lower = lambda layers, head: trainers[layers, head].logprobs_fn.lower(params, lp_in)
-            calls.append(Call(f"reference pass ({micro} rows)", steps_m, **_split(counted(lower, loops)[0]),
+            calls.append(Call(f"reference pass ({micro} rows)", steps_m, **counted(lower, loops)[0],
                               ideal_flops=fwd / n, ideal_bytes=weight_bytes(mcfg, item) / n, part="update"))
         lower = lambda layers, head: trainers[layers, head].update_fn.lower(params, opt, batch, ref)
-        calls.append(Call(f"update ({micro} rows)", steps_m, **_split(counted(lower, loops)[0]),
+        calls.append(Call(f"update ({micro} rows)", steps_m, **counted(lower, loops)[0],
                           ideal_flops=3 * fwd / n, ideal_bytes=0.0, part="update",
                           remat_flops=(3 * fwd + recomputed(parts, config.model.remat)) / n))
     m = decode.memory_analysis()
@@ -274,10 +274,6 @@ def analyse(config: ConfigDict, devices: list, mcfg: Qwen2Config) -> tuple[list[
                   - m.alias_size_in_bytes, decode_state_per_row=state_bytes / rows / per_row,
                   kv_per_row=kv_bytes(mcfg, 1, window, item) / per_row)
     return calls, shapes
-
-
-def _split(c: dict[str, float]) -> dict[str, float]:
-    return dict(flops=c["flops"], bytes=c["bytes accessed"])
 
 
 # -- the report -------------------------------------------------------------------------------

@@ -4,11 +4,15 @@ import os
 
 from subprocs import xla_flags
 
+# Tests marked `real` read the real Qwen2.5-Coder-0.5B-Instruct from this directory
+# (`make test-real` fetches it there); without it they are skipped.
+REAL_MODEL_ENV = "SEM_JAX_REAL_MODEL"
+
 # Before jax is imported anywhere: 8 host devices for the multi-device tests, LLVM at -O0 (see
-# subprocs.py), and never try an accelerator (libtpu prints errors on a CPU host when jax[tpu] is in).
-# The real-model checks (`make test-real`) are execution-bound: they keep LLVM's optimisations.
+# subprocs.py; not for the real-model checks, which are execution-bound), and never try an
+# accelerator (libtpu prints errors on a CPU host when jax[tpu] is in).
 if "XLA_FLAGS" not in os.environ:
-    os.environ["XLA_FLAGS"] = xla_flags(8, fast_compile="SEM_JAX_REAL_MODEL" not in os.environ)
+    os.environ["XLA_FLAGS"] = xla_flags(8, fast_compile=REAL_MODEL_ENV not in os.environ)
 os.environ["JAX_PLATFORMS"] = "cpu"
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -25,10 +29,6 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
-
-# Tests marked `real` read the real Qwen2.5-Coder-0.5B-Instruct from this directory
-# (`make test-real` fetches it there); without it they are skipped.
-REAL_MODEL_ENV = "SEM_JAX_REAL_MODEL"
 
 
 def pytest_configure(config):

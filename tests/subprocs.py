@@ -6,7 +6,6 @@ LLVM's optimisations are about half of that; XLA's own HLO passes still run at -
 
 import os
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FAST_COMPILE = "--xla_backend_optimization_level=0"
 
 

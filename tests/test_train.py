@@ -57,13 +57,9 @@ def _cmd(run_dir, model_dir, *extra):
             "--config.data.prompts_per_step=4", "--config.rollout.group_size=4", "--config.rl.micro_batch=8", *extra]
 
 
-def _env(devices=1):
-    return cpu_env(devices)
-
-
 def _train(run_dir, model_dir, *extra, check=True):
     proc = subprocess.run(_cmd(run_dir, model_dir, *extra), capture_output=True, text=True, timeout=600, cwd=REPO,
-                          env=_env())
+                          env=cpu_env())
     if check:
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc
@@ -117,7 +113,7 @@ def _two_processes(cmd) -> list[str]:
     procs = [subprocess.Popen(cmd(f"--config.distributed.coordinator_address=localhost:{port}",
                                   "--config.distributed.num_processes=2", f"--config.distributed.process_id={i}",
                                   "--config.distributed.cpu_collectives=gloo"),
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO, env=_env(2))
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO, env=cpu_env(2))
              for i in (0, 1)]
     try:
         outs = [p.communicate(timeout=600)[0] for p in procs]
@@ -137,7 +133,7 @@ def test_two_processes_train_as_one(warm_model, tmp_path):
     steps = ("--config.train.total_steps=2", "--config.train.debug_hosts=True")
     _two_processes(lambda *flags: _cmd(two, warm_model, *steps, *flags))
     single = subprocess.run(_cmd(one, warm_model, *steps), capture_output=True, text=True, timeout=600, cwd=REPO,
-                            env=_env(4))
+                            env=cpu_env(4))
     assert single.returncode == 0, single.stderr[-3000:]
 
     read = lambda path: [json.loads(x)["ids"] for x in path.read_text().splitlines()]
@@ -165,7 +161,8 @@ def test_two_processes_evaluate_as_one(warm_model, tmp_path):
                 "--config.rollout.group_size=2", *extra]
     outs = _two_processes(lambda *flags: cmd(tmp_path / "two", *flags))
     assert "| policy |" in outs[0] and "| policy |" not in outs[1]  # process 0 alone reports and writes
-    single = subprocess.run(cmd(tmp_path / "one"), capture_output=True, text=True, timeout=600, cwd=REPO, env=_env(4))
+    single = subprocess.run(cmd(tmp_path / "one"), capture_output=True, text=True, timeout=600, cwd=REPO,
+                            env=cpu_env(4))
     assert single.returncode == 0, single.stderr[-3000:]
     names = sorted(os.listdir(tmp_path / "one"))
     assert names == ["predictions_policy_eval.jsonl", "results.json", "results.md", "sample_eval.json"]
@@ -224,7 +221,7 @@ def test_sigterm_finishes_the_step_saves_and_exits_cleanly(warm_model, tmp_path)
     run = tmp_path / "r"
     cmd = _cmd(run, warm_model, "--config.train.total_steps=50", "--config.train.ckpt_every=100",
                "--config.train.eval_at_start=False", "--config.rl.beta=0.0")
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO, env=_env())
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO, env=cpu_env())
     out = []
     for line in proc.stdout:
         out.append(line)
