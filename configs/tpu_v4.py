@@ -20,7 +20,10 @@ def get_config(size: str = "7b"):
     c.model.path = MODELS[size]
     c.model.preset = f"qwen2.5-{size}"
     c.model.remat = "full"
-    c.mesh.update(data=1, fsdp=-1, tensor=1)  # 7B has 4 KV heads: tensor parallelism <= 4
+    c.mesh.update(data=1, fsdp=-1, tensor=1)  # training: FSDP over every chip
+    # Sampling: tensor-parallel groups of one host's 4 chips (7B has 4 KV heads, 14B 8: a group of
+    # 8 would span two hosts), each holding the bf16 weights whole between its chips.
+    c.rollout.tensor = 4
     c.data.train_file = "/mnt/sem_jax/data/sem_train.jsonl"
     c.data.eval_file = "/mnt/sem_jax/data/sem_eval.jsonl"
     c.data.prompts_per_step = 64

@@ -5,10 +5,11 @@
 
 With `jax[tpu]` installed on a CPU host (no TPU needed), builds the topology's devices,
 the config's mesh and shardings, and compiles the GRPO update, the reference log-prob pass
-and the sampler's prefill and decode with abstract inputs at the config's real shapes, and the
-sampler again as `sem_jax.evaluate` runs it (greedy, one row per question, the parameters in
-`model.eval_dtype`).
-Prints per-device memory (arguments, outputs, temporaries) against HBM and FLOPs per call
+and the sampler's prefill, decode and insert (on the sampler's own mesh, `rollout.tensor`) with
+abstract inputs at the config's real shapes, and the sampler again as `sem_jax.evaluate` runs it
+(greedy, one row per question, the parameters in `model.eval_dtype`).
+Prints per-device memory (arguments, outputs, temporaries, and beside the training rollout the
+trainer's parameters, optimizer state and reference weights: `resident`) against HBM and FLOPs per call
 (XLA counts every loop body once, the layer scan too: they only compare configs); exits 1
 when something does not fit, including when the TPU compiler itself refuses for lack of HBM.
 Without --topology it compiles for the local devices. `--roofline` prints XLA's FLOPs and bytes
@@ -18,6 +19,7 @@ per call against the ideal and predicted times per chip instead (`sem_jax.roofli
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import sys
 
@@ -28,13 +30,13 @@ from absl import logging as absl_logging
 from flax import nnx
 from ml_collections import ConfigDict, config_flags
 
-from sem_jax.assemble import build_mesh, build_trainer, settings
+from sem_jax.assemble import build_mesh, build_rollout_mesh, build_trainer, inserted_tokens, settings
 from sem_jax.config import eval_dtype, parse_flags
 from sem_jax.model import Qwen2, Qwen2Config
 from sem_jax.model.hf_io import read_config
 from sem_jax.model.presets import preset
 from sem_jax.rl.trainer import LOGPROB_KEYS
-from sem_jax.sampling.sampler import bucket_length, decode_loop, prefill_step
+from sem_jax.sampling.sampler import bucket_length, decode_loop, insert_step, prefill_step
 from sem_jax.sharding import batch_sharding, match_param_shardings, named_sharding
 
 # HBM per device as the TPU compiler sees a compile-only topology device: one TensorCore.
@@ -52,10 +54,11 @@ class Row:
     alias: int
     flops: float
     error: str = ""  # the compiler refused (e.g. RESOURCE_EXHAUSTED: out of HBM)
+    resident: int = 0  # held by others while this call runs (the trainer's state during the rollout)
 
     @property
     def peak(self) -> int:
-        return self.argument + self.output + self.temp - self.alias
+        return self.argument + self.output + self.temp - self.alias + self.resident
 
 
 def model_config(config: ConfigDict) -> Qwen2Config:
@@ -118,6 +121,26 @@ def _abstract(tree, shardings):
     return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), tree, shardings)
 
 
+def device_bytes(tree) -> int:
+    """Bytes per device of a tree of sharded abstract arrays (the largest shard's)."""
+    return sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(tree))
+
+
+def trainer_bytes(params, opt, config: ConfigDict) -> int:
+    """What the trainer holds per device between its calls (beside the rollout): the parameters,
+    the optimizer state and, with rl.beta > 0, the reference weights in the compute dtype."""
+    ref = 0
+    if config.rl.beta > 0:
+        dtype, compute = jnp.dtype(config.model.dtype), jnp.dtype(config.model.compute_dtype)
+        ref = device_bytes(params) * narrower(dtype, compute).itemsize // dtype.itemsize
+    return device_bytes(params) + device_bytes(opt) + ref
+
+
+def rows_on(mesh):
+    """Abstract row-sharded arrays on `mesh`: `arr(shape, dtype)`."""
+    return lambda shape, dt: jax.ShapeDtypeStruct(shape, dt, sharding=batch_sharding(mesh, shape))
+
+
 def _compile(name: str, lowered) -> tuple[Row, object | None]:
     try:
         compiled = lowered.compile()
@@ -141,6 +164,7 @@ def check(config: ConfigDict, topology: str | None = None, hbm_gib: float | None
     devices = target_devices(topology)
     hbm = hbm_per_device(devices, hbm_gib)
     mesh = build_mesh(config, devices)
+    rollout_mesh = build_rollout_mesh(config, mesh)
     s = settings(config)
     mcfg = model_config(config)
     dtype, compute = jnp.dtype(config.model.dtype), jnp.dtype(config.model.compute_dtype)
@@ -157,9 +181,7 @@ def check(config: ConfigDict, topology: str | None = None, hbm_gib: float | None
         resp = s.sampling.response_tokens
         t = bucket_length(config.data.max_prompt_tokens + resp - 1, 32)
         w = bucket_length(resp, 32)
-
-        def arr(shape, dt):
-            return jax.ShapeDtypeStruct(shape, dt, sharding=batch_sharding(mesh, shape))
+        arr = rows_on(mesh)
         batch = {"inputs": arr((rows_n, t), jnp.int32), "start": arr((rows_n,), jnp.int32),
                  "targets": arr((rows_n, w), jnp.int32), "mask": arr((rows_n, w), jnp.float32),
                  "advantages": arr((rows_n,), jnp.float32), "sampler_logprobs": arr((rows_n, w), jnp.float32)}
@@ -167,20 +189,29 @@ def check(config: ConfigDict, topology: str | None = None, hbm_gib: float | None
         out.append(_compile("grpo update", trainer.update_fn.lower(params, opt, batch, ref))[0])
         if ref is not None:
             lp_in = {k: batch[k] for k in LOGPROB_KEYS if k in batch}  # no packed rows in GRPO
-            out.append(_compile("reference logprobs", trainer.logprobs_fn.lower(params, lp_in))[0])
-        p = config.data.prompts_per_step
-        # The sampler casts the weights to the compute dtype (`compute_weights`); sem_jax.evaluate
-        # samples greedily, one row per question, from parameters in model.eval_dtype.
-        evaluated = jnp.dtype(eval_dtype(config))
-        for label, prompts_n, group, param_dtype in (("sampler", p, g, dtype),
-                                                     (f"eval ({evaluated.name})", p * g, 1, evaluated)):
-            _, sampler_graph, sampler_params = abstract_model(config, mcfg, mesh, narrower(param_dtype, compute))
-            out += sampler_rows(label, sampler_graph, sampler_params, prompts_n, group, config, s, mcfg, mesh, arr)
+            ref_params = abstract_model(config, mcfg, mesh, narrower(dtype, compute))[2]  # train.reference_weights
+            out.append(_compile("reference logprobs", trainer.logprobs_fn.lower(ref_params, lp_in))[0])
+    # The rollout runs beside the trainer's state; sem_jax.evaluate holds nothing but the sampler's
+    # own arguments.
+    trainer_state = trainer_bytes(params, opt, config)
+    p = config.data.prompts_per_step
+    # The sampler casts the weights to the compute dtype (`compute_weights`) in its own layout
+    # (`build_rollout_mesh`); sem_jax.evaluate samples greedily, one row per question, from
+    # parameters in model.eval_dtype.
+    evaluated = jnp.dtype(eval_dtype(config))
+    with jax.set_mesh(rollout_mesh):
+        for label, prompts_n, group, param_dtype, resident in (
+                ("sampler", p, g, dtype, trainer_state), (f"eval ({evaluated.name})", p * g, 1, evaluated, 0)):
+            _, sampler_graph, sampler_params = abstract_model(config, mcfg, rollout_mesh,
+                                                              narrower(param_dtype, compute))
+            rows = sampler_rows(label, sampler_graph, sampler_params, prompts_n, group, config, s, mcfg,
+                                rows_on(rollout_mesh))
+            out += [dataclasses.replace(r, resident=resident) for r in rows]
     return out, hbm
 
 
 def sampler_rows(label: str, graphdef, params, prompts_n: int, group: int, config: ConfigDict, s, mcfg: Qwen2Config,
-                 mesh, arr) -> list[Row]:
+                 arr) -> list[Row]:
     """The sampler's prefill and decode loop for `prompts_n` prompts x `group` rows each."""
     resp = s.sampling.response_tokens
     compute = jnp.dtype(config.model.compute_dtype)
@@ -197,26 +228,33 @@ def sampler_rows(label: str, graphdef, params, prompts_n: int, group: int, confi
     # The stop automaton's table: one state per byte of the stop strings, plus the start.
     states = sum(len(x.encode()) for x in s.protocol.stop_strings) + 1
     table = jax.ShapeDtypeStruct((mcfg.vocab_size, states), jnp.int32)
-    return [row, _compile(f"{label} decode loop", decode_loop.lower(
+    rows = [row, _compile(f"{label} decode loop", decode_loop.lower(
         graphdef, params, None, state, table, jax.ShapeDtypeStruct((2,), jnp.int32),
         jax.ShapeDtypeStruct((), jnp.int32), cfg=s.sampling, window=tp + resp))[0]]
+    if config.rollout.max_searches:  # a search's results, the widest block, into the full cache
+        b = prompts_n * group
+        wi = bucket_length(inserted_tokens(config)[0], minimum=8)
+        rows.append(_compile(f"{label} insert ({wi} tokens)", insert_step.lower(
+            graphdef, params, None, state, arr((b, wi), jnp.int32), arr((b,), jnp.int32), arr((b,), jnp.bool_),
+            window=tp + resp))[0])
+    return rows
 
 
 def report(rows: list[Row], hbm: float, label: str) -> bool:
     gib = lambda b: b / 2**30
     print(f"{label}: per-device memory (GiB) against {gib(hbm):.1f} GiB HBM")
-    print("| step | arguments | outputs | temporaries | aliased | peak | fits | GFLOPs/device |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| step | arguments | outputs | temporaries | aliased | resident | peak | fits | GFLOPs/device |")
+    print("|---|---|---|---|---|---|---|---|---|")
     ok = True
     for r in rows:
         if r.error:
             ok = False
-            print(f"| {r.name} | compiler: {r.error} | | | | | NO | |")
+            print(f"| {r.name} | compiler: {r.error} | | | | | | NO | |")
             continue
         fits = r.peak <= hbm
         ok &= fits
         print(f"| {r.name} | {gib(r.argument):.2f} | {gib(r.output):.2f} | {gib(r.temp):.2f} | {gib(r.alias):.2f} | "
-              f"{gib(r.peak):.2f} | {'yes' if fits else 'NO'} | {r.flops / 1e9:.1f} |")
+              f"{gib(r.resident):.2f} | {gib(r.peak):.2f} | {'yes' if fits else 'NO'} | {r.flops / 1e9:.1f} |")
     return ok
 
 
@@ -241,6 +279,8 @@ def main(argv):
     if _CONFIG.value is None:
         raise app.UsageError("--config is required")
     label = f"{FLAGS.topology or jax.devices()[0].device_kind} mesh {dict(_CONFIG.value.mesh)}"
+    if _CONFIG.value.rollout.tensor:
+        label += f", rollout in tensor-parallel groups of {_CONFIG.value.rollout.tensor}"
     if FLAGS.roofline:
         from sem_jax import roofline
         roofline.set_analysis_flags()

@@ -32,7 +32,7 @@ from sem_jax.rl.loss import GRPOConfig
 from sem_jax.rl.trainer import GRPOTrainer, OptimConfig
 from sem_jax.sampling import RolloutConfig, Sampler, SamplingConfig, build_stop_automaton
 from sem_jax.sem.reward import RewardParams, check_sem_params, get_reward
-from sem_jax.sharding import make_mesh
+from sem_jax.sharding import make_mesh, tensor_groups
 
 
 # -- the config's fields as runtime dataclasses ---------------------------------------------
@@ -151,6 +151,12 @@ def build_mesh(config: ConfigDict, devices: Sequence | None = None) -> Mesh:
     return make_mesh(config.mesh.data, config.mesh.fsdp, config.mesh.tensor, devices=devices)
 
 
+def build_rollout_mesh(config: ConfigDict, mesh: Mesh) -> Mesh:
+    """The sampler's mesh: `mesh` itself (rollout.tensor = 0) or its devices in tensor-parallel
+    groups of rollout.tensor (`sharding.tensor_groups`)."""
+    return tensor_groups(mesh, config.rollout.tensor) if config.rollout.tensor else mesh
+
+
 def init_model_config(config: ConfigDict, tokenizer) -> Qwen2Config:
     """The random-init architecture of `config.model.init` (vocabulary padded to 64)."""
     i = config.model.init
@@ -196,6 +202,10 @@ def build_retriever(config: ConfigDict):
 
 def build_sampler(model: Qwen2, tokenizer, sampling: SamplingConfig, config: ConfigDict, protocol: Protocol, *,
                   mesh: Mesh | None = None, calls: CallLog | None = None) -> Sampler:
+    t, kv = config.rollout.tensor, model.config.num_kv_heads
+    if t and kv % t:
+        print(f"WARNING: rollout.tensor={t} does not divide the model's {kv} KV heads: each tensor-parallel "
+              f"group holds every row's whole KV cache on each of its {t} devices", flush=True)
     stop = build_stop_automaton(tokenizer, protocol.stop_strings, vocab_size=model.config.vocab_size)
     return Sampler(model, stop, sampling, mesh=mesh, calls=calls, window_steps=config.rollout.window_steps,
                    max_prompt_tokens=config.data.max_prompt_tokens)
@@ -269,6 +279,7 @@ def build_run(config: ConfigDict) -> Run:
     s = settings(config)
     run_dir = os.path.abspath(config.run_dir)
     mesh = build_mesh(config)
+    rollout_mesh = build_rollout_mesh(config, mesh)
     train_set = load_questions(config.data.train_file)
     eval_all = load_questions(config.data.eval_file)
     retriever = build_retriever(config)
@@ -295,8 +306,8 @@ def build_run(config: ConfigDict) -> Run:
     row_multiple = int(np.lcm.reduce([trainer.micro_batch // nproc, local_batch_multiple(mesh), trainer.share]))
     return Run(config=config, run_dir=run_dir, settings=s, mesh=mesh, model=model, tokenizer=tokenizer,
                retriever=retriever,
-               sampler=build_sampler(model, tokenizer, s.sampling, config, s.protocol, mesh=mesh, calls=calls),
-               greedy=build_sampler(model, tokenizer, s.greedy, config, s.protocol, mesh=mesh, calls=calls),
+               sampler=build_sampler(model, tokenizer, s.sampling, config, s.protocol, mesh=rollout_mesh, calls=calls),
+               greedy=build_sampler(model, tokenizer, s.greedy, config, s.protocol, mesh=rollout_mesh, calls=calls),
                trainer=trainer, calls=calls, train_set=train_set, eval_set=eval_set,
                per_host=config.data.prompts_per_step // nproc, row_multiple=row_multiple,
                pad_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0)

@@ -76,6 +76,11 @@ def base_config() -> ConfigDict:
     # Decode attention reads a window of the KV cache grown in steps of >= this many tokens,
     # not the whole response budget (each window size compiles once); 0: the whole cache.
     c.rollout.window_steps = 32
+    # The sampler's layout. 0: the training mesh (FSDP: every decode step gathers each weight's
+    # shards). T >= 1: the devices as data x T, each group of T devices holding the compute-dtype
+    # weights whole, split over it by tensor parallelism (resharded once per step): each decode step
+    # reads a 1/T share of the weights where it is. T must divide each process's devices.
+    c.rollout.tensor = 0
 
     # None: the protocol's own reward. `research` on the sem protocol is ReSearch's reward on SEM's
     # format (the demo's baseline), not ReSearch as ReSearch runs (protocol=research).

@@ -190,13 +190,13 @@ def main(argv):
     if FLAGS.dtype:
         config.model.eval_dtype = FLAGS.dtype
     initialize_distributed(config.distributed)  # first: before anything starts a backend
-    from sem_jax.assemble import (build_mesh, build_retriever, build_sampler, cap_prompts, check_positions,
-                                  settings)
+    from sem_jax.assemble import (build_mesh, build_retriever, build_rollout_mesh, build_sampler, cap_prompts,
+                                  check_positions, settings)
     from sem_jax.data.questions import load_questions
     from sem_jax.data.sources import load_source
 
     s = settings(config)
-    mesh = build_mesh(config)
+    mesh = build_rollout_mesh(config, build_mesh(config))  # nothing trains: the weights load in the sampler's layout
     model, tokenizer = load_policy(config, FLAGS.checkpoint, FLAGS.step, FLAGS.hf, mesh)
     check_positions(config, s, model.config)
     if FLAGS.data:  # every process reads every data set and draws the same sample

@@ -4,7 +4,8 @@ predicted times on each chip.
     python -m sem_jax.aot --config configs/tpu_v4.py --topology v4:2x2x4 --roofline [--json FILE]
 
 For every call a step makes (the prefill, one decode step, one insert, the reference pass and the
-update, the last two for one micro-batch), at the config's shapes, on its mesh, for the target:
+update, the last two for one micro-batch), at the config's shapes, for the target, the sampler's
+calls on the sampler's mesh (`rollout.tensor`) and the trainer's on the training mesh:
 
 - XLA's own cost analysis of the compiled program: FLOPs and HBM bytes per device. XLA counts a
   loop's body once, so each call is compiled twice, its layer scan running one and then two
@@ -16,7 +17,8 @@ update, the last two for one micro-batch), at the config's shapes, on its mesh, 
 - the ideal: the model's FLOPs (2 per weight per token, causal attention, the head where it runs;
   3x for the update, plus what the remat policy recomputes) and the bytes that must move (the
   weights once in the compute dtype, the KV window read, this call's keys and values written),
-  divided evenly over the devices.
+  divided evenly over the devices (a layout that keeps whole weights in groups of T devices reads
+  at least T / devices of them on each).
 - the predicted time per call on each chip of CHIPS: the larger of FLOPs / peak and bytes /
   bandwidth (each chip's time for the target's per-device program), and from them the step: one
   prefill, `max_new_tokens` decode steps at the full window, `max_searches` inserts, and a
@@ -37,14 +39,14 @@ import jax.numpy as jnp
 from flax import nnx
 from ml_collections import ConfigDict
 
-from sem_jax.aot import abstract_model, narrower
-from sem_jax.assemble import build_mesh, build_trainer, inserted_tokens, micro_batch, settings
+from sem_jax.aot import abstract_model, device_bytes, narrower, rows_on, trainer_bytes
+from sem_jax.assemble import build_mesh, build_rollout_mesh, build_trainer, inserted_tokens, micro_batch, settings
 from sem_jax.hosts import batch_shards
 from sem_jax.model import Qwen2Config
 from sem_jax.rl.loss import head_chunk
 from sem_jax.rl.trainer import LOGPROB_KEYS
 from sem_jax.sampling.sampler import bucket_length, decode_step, insert_step, prefill_step
-from sem_jax.sharding import batch_sharding, match_param_shardings
+from sem_jax.sharding import match_param_shardings
 
 
 # The SPMD partitioner turns a matmul with an FSDP-sharded weight into a loop over the shards
@@ -184,12 +186,13 @@ def analyse(config: ConfigDict, devices: list, mcfg: Qwen2Config) -> tuple[list[
         raise ValueError("the roofline counts one layer as the difference of two compiles: it needs >= 2 layers")
     n = len(devices)
     mesh = build_mesh(config, devices)
+    rollout_mesh = build_rollout_mesh(config, mesh)
     s = settings(config)
     dtype, compute = jnp.dtype(config.model.dtype), jnp.dtype(config.model.compute_dtype)
     item = compute.itemsize
     # Training in model.dtype; the sampler's weights cast to the compute dtype (compute_weights).
     trained = {u: abstract_model(config, mcfg, mesh, dtype, scan_unroll=u) for u in (1, 2)}
-    sampled = {u: abstract_model(config, mcfg, mesh, narrower(dtype, compute), scan_unroll=u) for u in (1, 2)}
+    sampled = {u: abstract_model(config, mcfg, rollout_mesh, narrower(dtype, compute), scan_unroll=u) for u in (1, 2)}
     models, params = {u: m[0] for u, m in trained.items()}, trained[1][2]
     graphs, sampler_params = {u: m[1] for u, m in sampled.items()}, sampled[1][2]
     L = mcfg.num_layers
@@ -204,10 +207,8 @@ def analyse(config: ConfigDict, devices: list, mcfg: Qwen2Config) -> tuple[list[
     wi = bucket_length(block, minimum=8)
     calls: list[Call] = []
 
-    def arr(shape, dt):
-        return jax.ShapeDtypeStruct(shape, dt, sharding=batch_sharding(mesh, shape))
-
-    with jax.set_mesh(mesh):
+    arr = rows_on(rollout_mesh)
+    with jax.set_mesh(rollout_mesh):
         key = jax.eval_shape(lambda: jax.random.key(0))
         static = dict(group_size=g, cache_len=window, resp_len=resp, cache_dtype=compute)
         prompts, lengths = arr((p, tp), jnp.int32), arr((p,), jnp.int32)
@@ -240,6 +241,8 @@ def analyse(config: ConfigDict, devices: list, mcfg: Qwen2Config) -> tuple[list[
                               ideal_flops=forward_flops(mcfg, rows, wi, window, rows) / n,
                               ideal_bytes=(weight_bytes(mcfg, item) + kv_bytes(mcfg, rows, window + wi, item)) / n))
 
+    arr = rows_on(mesh)
+    with jax.set_mesh(mesh):
         trainers = {(u, h): build_trainer(config, models[u], s, mesh, per_layer=False, unroll_head=h)
                     for u, h in ((1, 1), (2, 1), (1, 2))}
         share = trainers[1, 1].share
@@ -257,7 +260,8 @@ def analyse(config: ConfigDict, devices: list, mcfg: Qwen2Config) -> tuple[list[
         ref = arr((micro, w), jnp.float32) if s.grpo.beta > 0 else None
         if ref is not None:
             lp_in = {k: batch[k] for k in LOGPROB_KEYS if k in batch}
-            lower = lambda layers, head: trainers[layers, head].logprobs_fn.lower(params, lp_in)
+            ref_params = abstract_model(config, mcfg, mesh, narrower(dtype, compute))[2]  # train.reference_weights
+            lower = lambda layers, head: trainers[layers, head].logprobs_fn.lower(ref_params, lp_in)
             calls.append(Call(f"reference pass ({micro} rows)", steps_m, **counted(lower, loops)[0],
                               ideal_flops=fwd / n, ideal_bytes=weight_bytes(mcfg, item) / n, part="update"))
         lower = lambda layers, head: trainers[layers, head].update_fn.lower(params, opt, batch, ref)
@@ -265,14 +269,22 @@ def analyse(config: ConfigDict, devices: list, mcfg: Qwen2Config) -> tuple[list[
                           ideal_flops=3 * fwd / n, ideal_bytes=0.0, part="update",
                           remat_flops=(3 * fwd + recomputed(parts, config.model.remat)) / n))
     m = decode.memory_analysis()
-    state_bytes = sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(sampler_state))
-    per_row = n / batch_shards(mesh)  # devices sharing a row (its KV heads split over them)
-    shapes = dict(devices=n, device_kind=devices[0].device_kind, rows=rows, rows_per_device=rows / batch_shards(mesh),
+    shards = batch_shards(rollout_mesh)
+    per_group = rows / shards
+    resident = trainer_bytes(params, opt, config)  # held while the sampler runs
+    kv = sampler_state.cache
+    shapes = dict(devices=n, device_kind=devices[0].device_kind, rollout_mesh=dict(rollout_mesh.shape), rows=rows,
+                  rows_per_group=per_group, group_devices=n // shards,  # a data group: the devices sharing rows
                   prompt=tp, response=resp, window=window, micro_batch=micro, micro_batches=steps_m, share=share,
-                  inputs=t, head_positions=w, insert=wi,
+                  inputs=t, head_positions=w, insert=wi, resident=resident,
+                  # what a decode step must read in this layout: a group's share of the weights
+                  # (all of them under FSDP, gathered at every step) and the KV window
+                  decode_floor=weight_bytes(mcfg, item) * shards / n + kv_bytes(mcfg, rows, window, item) / n,
                   decode_peak=m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
-                  - m.alias_size_in_bytes, decode_state_per_row=state_bytes / rows / per_row,
-                  kv_per_row=kv_bytes(mcfg, 1, window, item) / per_row)
+                  - m.alias_size_in_bytes + resident,
+                  # per device, from the compiled state's shards (KV heads split over a group, buffers not)
+                  decode_state_per_row=device_bytes(sampler_state) / per_group,
+                  kv_per_row=device_bytes((kv.k, kv.v)) / per_group * window / kv.max_length)
     return calls, shapes
 
 
@@ -286,12 +298,12 @@ def step_seconds(calls: list[Call], chip: Chip) -> dict[str, float]:
 
 
 def decode_batch(calls: list[Call], shapes: dict, hbm: float) -> dict:
-    """How many rollout rows per device the decode step should run: as many as the HBM left
-    beside its peak holds (each row's sampler state: KV cache and buffers), and no more than
-    the row count at which it turns compute-bound on each chip (the ridge: FLOPs grow with the
-    rows, the bytes of the weights do not)."""
+    """How many rollout rows per data group (the devices that share a row) the decode step should
+    run: as many as the HBM left beside its peak holds (each row's sampler state: KV cache and
+    buffers), and no more than the row count at which it turns compute-bound on each chip (the
+    ridge: FLOPs grow with the rows, the bytes of the weights do not). Tokens/s per device."""
     d = next(c for c in calls if c.name.startswith("decode step"))
-    now = shapes["rows_per_device"]
+    now, group = shapes["rows_per_group"], shapes["group_devices"]
     fit = now + max(0, int((hbm - shapes["decode_peak"]) // shapes["decode_state_per_row"]))
     f_row, kv_row = d.flops / now, shapes["kv_per_row"]
     fixed = max(d.bytes - kv_row * now, 0.0)
@@ -301,8 +313,8 @@ def decode_batch(calls: list[Call], shapes: dict, hbm: float) -> dict:
         ridge = fixed / slope if slope > 0 else math.inf
         rows = max(now, fit if math.isinf(ridge) else min(fit, math.floor(ridge)))
         sec = lambda b: max(f_row * b / chip.flops, (fixed + kv_row * b) / chip.hbm)
-        out["chips"][name] = dict(ridge=ridge, rows=rows, tokens_per_s_now=now / sec(now),
-                                  tokens_per_s=rows / sec(rows))
+        out["chips"][name] = dict(ridge=ridge, rows=rows, tokens_per_s_now=now / sec(now) / group,
+                                  tokens_per_s=rows / sec(rows) / group)
     return out
 
 
@@ -324,8 +336,9 @@ def summary(calls: list[Call], shapes: dict) -> dict:
 
 def report(calls: list[Call], shapes: dict, label: str, hbm: float, group_size: int) -> dict:
     data = summary(calls, shapes)
-    print(f"{label}: roofline per device ({shapes['devices']} devices, {shapes['rows_per_device']:g} rollout rows "
-          f"per device, {shapes['micro_batches']} micro-batches of {shapes['micro_batch']})")
+    print(f"{label}: roofline per device ({shapes['devices']} devices; the sampler's mesh {shapes['rollout_mesh']}, "
+          f"{shapes['rows_per_group']:g} rollout rows per data group of {shapes['group_devices']}; "
+          f"{shapes['micro_batches']} micro-batches of {shapes['micro_batch']})")
     print("| call | per step | GFLOP (XLA) | ideal | XLA / ideal | GB (XLA) | ideal | XLA / ideal |")
     print("|---|---|---|---|---|---|---|---|")
     ratio = lambda a, b: f"{a / b:.2f}" if b else "-"
@@ -334,6 +347,10 @@ def report(calls: list[Call], shapes: dict, label: str, hbm: float, group_size: 
         note = " (with remat)" if c.remat_flops else ""
         print(f"| {c.name} | {c.per_step} | {c.flops / 1e9:.1f} | {ideal / 1e9:.1f}{note} | {ratio(c.flops, ideal)} | "
               f"{c.bytes / 1e9:.2f} | {c.ideal_bytes / 1e9:.2f} | {ratio(c.bytes, c.ideal_bytes)} |")
+    d = next(c for c in calls if c.name.startswith("decode step"))
+    print(f"\nthe decode step in the sampler's layout reads at least {shapes['decode_floor'] / 1e9:.2f} GB per device "
+          f"(the weights over a data group of {shapes['group_devices']}, the KV window over all devices): XLA's count "
+          f"is {d.bytes / shapes['decode_floor']:.2f}x that")
     names = list(CHIPS)
     print("\npredicted ms per call, the larger of FLOPs / peak and bytes / bandwidth "
           "(MFU: the model's FLOPs; BW: the ideal bytes)")
@@ -349,14 +366,15 @@ def report(calls: list[Call], shapes: dict, label: str, hbm: float, group_size: 
     for part in ("rollout", "update", "step"):
         print(f"| {part} (s) | " + " | ".join(f"{data['chips'][n][part + '_s']:.1f}" for n in names) + " |")
     b = data["decode_batch"] = decode_batch(calls, shapes, hbm)
-    shards = shapes["rows"] / shapes["rows_per_device"]
-    print(f"\ndecode batch: {b['now']:g} rows per device now; the {hbm / 2**30:.1f} GiB HBM holds about {b['fit']} "
-          f"(the decode step peaks at {shapes['decode_peak'] / 2**30:.2f} GiB, "
+    shards = shapes["rows"] / shapes["rows_per_group"]
+    print(f"\ndecode batch: {b['now']:g} rows per data group now; the {hbm / 2**30:.1f} GiB HBM holds about {b['fit']} "
+          f"(the decode step peaks at {shapes['decode_peak'] / 2**30:.2f} GiB with the trainer's "
+          f"{shapes['resident'] / 2**30:.2f} GiB beside it, "
           f"{shapes['decode_state_per_row'] / 2**20:.1f} MiB of sampler state per row)")
     for name, x in b["chips"].items():
         ridge = "never (the KV window's bytes grow as fast)" if math.isinf(x["ridge"]) else f"{x['ridge']:.0f} rows"
         prompts = math.ceil(x["rows"] * shards / group_size)
-        print(f"  {name}: compute-bound from {ridge}; {x['rows']} rows per device (data.prompts_per_step "
+        print(f"  {name}: compute-bound from {ridge}; {x['rows']} rows per group (data.prompts_per_step "
               f"~{prompts}) -> {x['tokens_per_s']:.0f} tokens/s per device, against {x['tokens_per_s_now']:.0f} now")
     return data
 

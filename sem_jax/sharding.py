@@ -7,6 +7,7 @@ Model code names the *logical* axes of every parameter and activation
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Sequence
 
 import jax
@@ -57,6 +58,21 @@ def make_mesh(data: int = 1, fsdp: int = -1, tensor: int = 1,
     # would reject the gathers and einsums this model writes in plain jnp.
     return jax.make_mesh(tuple(sizes), MESH_AXES, axis_types=(AxisType.Auto,) * 3,
                          devices=devices)
+
+
+def tensor_groups(mesh: Mesh, tensor: int) -> Mesh:
+    """`mesh`'s devices as a (data, 1, `tensor`) mesh: groups of `tensor` devices, each group one
+    process's consecutive devices (its rows then stay on its own devices, `sem_jax.hosts`), which
+    hold the weights whole between them, split by tensor parallelism (the sampler's layout)."""
+    devices = sorted(mesh.devices.flat, key=lambda d: (d.process_index, d.id))
+    if tensor < 1 or len(devices) % tensor:
+        raise ValueError(f"rollout.tensor={tensor} must be >= 1 and divide the {len(devices)} devices")
+    per_process = collections.Counter(d.process_index for d in devices)
+    if any(n % tensor for n in per_process.values()):
+        raise ValueError(f"rollout.tensor={tensor} must divide each process's devices "
+                         f"({sorted(set(per_process.values()))}): a tensor group cannot span processes")
+    grid = np.array(devices, dtype=object).reshape(len(devices) // tensor, 1, tensor)
+    return Mesh(grid, MESH_AXES, axis_types=(AxisType.Auto,) * 3)
 
 
 def logical_to_spec(names: Sequence[str | None], shape: Sequence[int] | None = None,

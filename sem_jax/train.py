@@ -44,6 +44,7 @@ from sem_jax.rl.batch import batch_width, build_batch, response_width
 from sem_jax.rl.trainer import learning_rate
 from sem_jax.run_lock import RunLock
 from sem_jax.sampling import RolloutStats, Trajectory, rollout
+from sem_jax.sampling.sampler import compute_weights
 from sem_jax.sem.reward import CASES
 from sem_jax.sharding import shard_params
 
@@ -96,8 +97,9 @@ def initial_state(run: Run, ckpt: Checkpointer) -> TrainState:
     with jax.set_mesh(run.mesh):
         _, params = nnx.split(run.model)
         params = shard_params(params, run.mesh)
-        # The frozen reference is the initial policy (rebuilt identically on resume).
-        ref_params = jax.tree.map(jnp.copy, params) if run.settings.grpo.beta > 0 else None
+        # The frozen reference is the initial policy (rebuilt identically on resume), in the compute
+        # dtype: every use casts a weight to it first, so the same log-probs from half the memory.
+        ref_params = reference_weights(params, run.model.dtype) if run.settings.grpo.beta > 0 else None
         opt_state = run.trainer.init_opt_state(params)
     state = TrainState(params, opt_state, ref_params)
     restored = ckpt.restore_newest(params, opt_state)
@@ -106,6 +108,13 @@ def initial_state(run: Run, ckpt: Checkpointer) -> TrainState:
         state.step, state.skipped_total = meta["step"], meta["skipped_total"]
         print(f"resumed from step {state.step} ({ckpt.directory})", flush=True)
     return state
+
+
+def reference_weights(params: Any, dtype: Any) -> Any:
+    """A frozen copy of `params` in the compute `dtype` (`compute_weights`; a copy when it casts
+    nothing, since the update donates `params`)."""
+    ref = compute_weights(params, dtype)
+    return jax.tree.map(jnp.copy, ref) if ref is params else ref
 
 
 def step_questions(run: Run, step: int) -> list[Example]:

@@ -36,7 +36,8 @@ class ScriptedPolicy(nnx.Module):
         z = jnp.zeros((batch, 1, max_length, 1), jnp.float32)  # [batch, kv_heads, slots, head_dim]
         if per_layer:  # one layer, keys transposed
             return KVCache(k=(jnp.swapaxes(z, 2, 3),), v=(z,), lengths=jnp.zeros((batch,), jnp.int32))
-        return KVCache(k=z[None], v=z[None], lengths=jnp.zeros((batch,), jnp.int32))
+        stacked = jnp.swapaxes(z, 1, 2)[None]  # [layers, batch, slots, kv_heads, head_dim]
+        return KVCache(k=stacked, v=stacked, lengths=jnp.zeros((batch,), jnp.int32))
 
     def layer_list(self, transposed=False):
         return [{}]

@@ -313,6 +313,27 @@ def test_reference_pass_skipped_when_beta_is_zero():
     assert abs(float(metrics["kl"])) < 1e-6
 
 
+def test_reference_weights_in_the_compute_dtype_give_the_same_logprobs():
+    """float32 master weights, bfloat16 compute: the frozen reference is a bfloat16 copy
+    (train.reference_weights) and its log-probs are those of the float32 weights; with nothing to
+    cast it is a copy, not the donated parameters themselves."""
+    from sem_jax.train import reference_weights
+
+    model = random_qwen2(4)
+    model.dtype = jnp.bfloat16
+    _, params = nnx.split(model)
+    ref = reference_weights(params, jnp.bfloat16)
+    assert {x.dtype for x in jax.tree.leaves(ref)} == {jnp.dtype(jnp.bfloat16)}
+    batch = _batch(np.random.RandomState(4))
+    trainer = GRPOTrainer(model, GRPOConfig(beta=0.04), OptimConfig(), micro_batch=2)
+    np.testing.assert_array_equal(np.asarray(trainer.reference_logprobs(ref, batch)),
+                                  np.asarray(trainer.reference_logprobs(params, batch)))
+    same = reference_weights(params, jnp.float32)
+    for a, b in zip(jax.tree.leaves(same), jax.tree.leaves(params)):
+        assert a is not b and a.dtype == b.dtype
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
 @pytest.mark.parametrize("sharded", [False, True])
 def test_update_compiles_once(sharded):
     """Step 2 used to compile the update again: optax's step count starts uncommitted."""

@@ -19,11 +19,13 @@ def _aot(*args):
 def test_aot_check_small_topology():
     pytest.importorskip("libtpu", reason="jax[tpu] (libtpu) not installed: the compile-only TPU check is skipped")
     ok = _aot("--config", "configs/demo_cpu.py", "--topology", "v4:2x2x1", "--config.rl.beta=0.04",
-              "--config.model.eval_dtype=bfloat16")
+              "--config.model.eval_dtype=bfloat16", "--config.rollout.tensor=2")
     assert ok.returncode == 0, ok.stderr[-3000:]
+    assert "rollout in tensor-parallel groups of 2" in ok.stdout
     for step in ("grpo update", "reference logprobs", "sampler prefill", "sampler decode loop",
                  "eval (bfloat16) prefill", "eval (bfloat16) decode loop"):
         assert f"| {step} |" in ok.stdout
+    assert "| sampler insert (" in ok.stdout and "| eval (bfloat16) insert (" in ok.stdout
     assert ok.stdout.rstrip().endswith("fits")
     # 8 layers of width 8192, replicated (no FSDP): ~34 GB of f32 weights per device.
     big = _aot("--config", "configs/demo_cpu.py", "--topology", "v4:2x2x1", "--config.mesh.fsdp=1",
@@ -38,14 +40,16 @@ def test_roofline_counts_every_layer_and_step_as_a_hand_count(tmp_path):
     """XLA's FLOPs per call, loops counted (4 layers, the decode loop, the head's chunks), against
     a count by hand of what each program computes: every weight twice per token, attention over
     every slot it reads (masked ones too), the head where it runs; the update 3x its forward
-    plus the head's recompute (remat none)."""
+    plus the head's recompute (remat none). The sampler runs in tensor-parallel pairs
+    (rollout.tensor=2): the per-device counts are the same shares of the work, the rows split over
+    2 groups; beside it the trainer holds its parameters and AdamW's two moments."""
     pytest.importorskip("libtpu", reason="jax[tpu] (libtpu) not installed: the compile-only TPU check is skipped")
     out = tmp_path / "roofline.json"
     run = _aot("--config", "configs/cpu.py", "--topology", "v4:2x2x1", "--roofline", f"--json={out}",
                "--config.data.max_prompt_tokens=64", "--config.rollout.max_new_tokens=32",
                "--config.data.prompts_per_step=4", "--config.rollout.group_size=2", "--config.rl.micro_batch=8",
                "--config.retrieval.top_k=1", "--config.retrieval.max_tokens_per_passage=16",
-               "--config.rollout.max_searches=1", "--config.model.remat=none")
+               "--config.rollout.max_searches=1", "--config.model.remat=none", "--config.rollout.tensor=2")
     assert run.returncode == 0, run.stderr[-3000:]
     data = json.loads(out.read_text())
     sh, calls = data["shapes"], {c["name"].split(" (")[0]: c for c in data["calls"]}
@@ -62,6 +66,10 @@ def test_roofline_counts_every_layer_and_step_as_a_hand_count(tmp_path):
     hand = {"prefill": fwd(4, tp, tp, 4), "decode step": fwd(rows, 1, w + 1, rows),
             "insert": fwd(rows, wi, w + wi, rows), "update": 3 * train + 2 * E * V * m * r}
     assert set(hand) == set(calls) and sh["micro_batches"] == rows // m and share == 2
+    assert sh["rollout_mesh"] == {"data": 2, "fsdp": 1, "tensor": 2} and sh["rows_per_group"] == rows / 2
+    # float32 over 4 devices by FSDP (the q/k/v biases replicated: 0.4% here), beta 0 (no reference):
+    params = L * (weights + (H + 2 * K) * D + 2 * E) + 2 * V * E + E
+    assert sh["resident"] == pytest.approx(3 * 4 * params / n, rel=0.01)
     for name, flops in hand.items():
         assert calls[name]["flops"] == pytest.approx(flops / n, rel=0.1), name
     assert calls["decode step"]["per_step"] == 32 and calls["insert"]["per_step"] == 1

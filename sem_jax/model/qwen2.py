@@ -55,9 +55,10 @@ def per_layer_default() -> bool:
     return jax.default_backend() == "cpu"
 
 
-CACHE_AXES = ("layers", "batch", "act_kv_heads", "cache_length", "head_dim")
+# Stacked keys and values, slots before heads: [S, K, D] as this call's new keys are [T, K, D].
+CACHE_AXES = ("layers", "batch", "cache_length", "act_kv_heads", "head_dim")
 # One layer's values and (transposed) keys in a per-layer cache, see KVCache.
-LAYER_CACHE_AXES = CACHE_AXES[1:]
+LAYER_CACHE_AXES = ("batch", "act_kv_heads", "cache_length", "head_dim")
 LAYER_KEY_AXES = ("batch", "act_kv_heads", "head_dim", "cache_length")
 
 
@@ -74,7 +75,7 @@ class KVCache:
     `lengths[b]` is how many positions of row `b` are filled; each row advances
     on its own, so prompts of different lengths share one batch.
 
-    Stacked (one [layers, batch, kv_heads, max_length, head_dim] array each for keys and
+    Stacked (one [layers, batch, max_length, kv_heads, head_dim] array each for keys and
     values, read under the layer scan) or per layer (for `hidden_states(layers=...)`: tuples
     of [batch, kv_heads, head_dim, max_length] keys, transposed for the decode's dot, and
     [batch, kv_heads, max_length, head_dim] values).
@@ -90,7 +91,7 @@ class KVCache:
 
     @property
     def max_length(self) -> int:
-        return (self.v[0] if self.per_layer else self.v).shape[-2]
+        return self.v[0].shape[-2] if self.per_layer else self.v.shape[2]
 
     def repeat_rows(self, n: int) -> "KVCache":
         """Each row copied to `n` consecutive rows (row r -> rows r * n ... r * n + n - 1)."""
@@ -158,7 +159,7 @@ def attention(q: jax.Array, k: jax.Array | None, v: jax.Array | None, mask: jax.
               cache: tuple[jax.Array, jax.Array, jax.Array] | None = None) -> jax.Array:
     """Grouped-query attention of q [B,T,H,D] over this call's keys k/v [B,T,K,D]
     (mask [B,T,T], True = attend) and, when given, a read-only cache
-    (k_cache [B,K,S,D], v_cache [B,K,S,D], cache_mask [B,S] or [B,T,S]).
+    (k_cache [B,S,K,D], v_cache [B,S,K,D], cache_mask [B,S] or [B,T,S]).
 
     k = v = mask = None: a per-layer cache that already holds this call's keys, keys stored
     transposed (k_cache [B,K,D,S], v_cache [B,K,S,D], cache_mask [B,T,S]).
@@ -188,15 +189,15 @@ def attention(q: jax.Array, k: jax.Array | None, v: jax.Array | None, mask: jax.
         probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
         return jnp.einsum("bkgts,bskd->btkgd", probs, v).reshape(b, t, h, d)
     k_cache, v_cache, cache_mask = cache
-    s = k_cache.shape[2]
+    s = k_cache.shape[1]
     # Dots also for a one-token decode: they read the cache in its stored dtype, where a float32
     # multiply-and-reduce made the TPU program write a float32 copy of each layer's window.
-    old = jnp.einsum("btkgd,bksd->bkgts", q, k_cache, preferred_element_type=jnp.float32)
+    old = jnp.einsum("btkgd,bskd->bkgts", q, k_cache, preferred_element_type=jnp.float32)
     cm = cache_mask[:, None, None, None, :] if cache_mask.ndim == 2 else cache_mask[:, None, None, :, :]
     old = jnp.where(cm, old * scale, neg)
     probs = jax.nn.softmax(jnp.concatenate([old, scores], axis=-1), axis=-1)
     p_old = probs[..., :s]
-    out_old = jnp.einsum("bkgts,bksd->btkgd", p_old.astype(v_cache.dtype), v_cache)
+    out_old = jnp.einsum("bkgts,bskd->btkgd", p_old.astype(v_cache.dtype), v_cache)
     out = out_old + jnp.einsum("bkgts,bskd->btkgd", probs[..., s:].astype(v.dtype), v)
     return out.reshape(b, t, h, d)
 
@@ -275,7 +276,8 @@ class Qwen2(nnx.Module):
             k = zeros((batch, c.num_kv_heads, c.head_dim, max_length), k_axes)
             v = zeros(shape, v_axes)
         else:
-            k, v = (constrain(jnp.zeros((c.num_layers, *shape), dtype), axes) for axes in (k_axes, v_axes))
+            stacked = (c.num_layers, batch, max_length, c.num_kv_heads, c.head_dim)
+            k, v = (constrain(jnp.zeros(stacked, dtype), axes) for axes in (k_axes, v_axes))
         return KVCache(k=k, v=v, lengths=jnp.zeros((batch,), jnp.int32))
 
     def layer_list(self, transposed: bool = False) -> list[dict[str, jax.Array]]:
@@ -355,7 +357,7 @@ class Qwen2(nnx.Module):
     def extend_stacked(self, tokens: jax.Array, cache: KVCache, *, num_new: jax.Array | None = None,
                        window: int | None = None) -> tuple[jax.Array, KVCache]:
         """Prefill, insert or decode into a stacked cache under the layer scan (TPU, GPU): each
-        layer reads the cache before this call, then all layers' keys are written at once."""
+        layer reads the cache before this call, then each layer's new keys are written."""
         b, t = tokens.shape
         idx = jnp.arange(t, dtype=jnp.int32)
         causal = idx[None, :, None] >= idx[None, None, :]
@@ -373,12 +375,17 @@ class Qwen2(nnx.Module):
         rows = jnp.arange(b)[:, None]
         # Only the window is read: decode cost grows with the text, not with the cache
         # preallocated for the whole response budget.
-        kv_in = (cache.k[:, :, :, :window], cache.v[:, :, :, :window]) if window else (None, None)
+        kv_in = (cache.k[:, :, :window], cache.v[:, :, :window]) if window else (None, None)
         x, (k_new, v_new) = jax.lax.scan(self._remat(layer), x, (self._stacked(), *kv_in), unroll=self.scan_unroll)
-        # One write for all layers. Advanced indices split by a slice come first: values are [B, T, L, K, D].
-        put = lambda x: jnp.moveaxis(x, 0, 2).astype(cache.k.dtype)
-        k_all = cache.k.at[:, rows, :, positions].set(put(k_new), mode="drop")
-        v_all = cache.v.at[:, rows, :, positions].set(put(v_new), mode="drop")
+        # Written layer by layer after the scan, each layer's slab of the cache in place. (One
+        # scatter for all layers wants the layers beside head_dim in memory, the scan wants them
+        # outermost: the TPU compiler then copied the whole cache between the two at every step.)
+        # Layer i's new keys [B, T, K, D] go to slots `positions` of its [B, S, K, D] slab.
+        def write(i, kv):
+            kc, vc = kv
+            return (kc.at[i, rows, positions].set(k_new[i].astype(kc.dtype), mode="drop"),
+                    vc.at[i, rows, positions].set(v_new[i].astype(vc.dtype), mode="drop"))
+        k_all, v_all = jax.lax.fori_loop(0, k_new.shape[0], write, (cache.k, cache.v), unroll=self.scan_unroll)
         return self._finish(x, cache, k_all, v_all, t, num_new)
 
     def extend_per_layer(self, tokens: jax.Array, cache: KVCache, layers: list[dict[str, jax.Array]], *,

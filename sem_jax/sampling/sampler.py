@@ -8,6 +8,7 @@ decides *what* to insert (see `rollout.py`).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Sequence
 from functools import partial
@@ -20,7 +21,7 @@ from flax import nnx
 
 from sem_jax import hosts
 from sem_jax.model.qwen2 import KVCache, Qwen2, cache_axes, per_layer_default
-from sem_jax.sharding import constrain, put
+from sem_jax.sharding import constrain, put, shard_params
 from sem_jax.sampling.stop import StopAutomaton
 
 
@@ -167,11 +168,10 @@ def _keep(bad, tok, probs):
 
 
 def _extend_last(model: Qwen2, layers, tokens, cache, n, window: int) -> tuple[jax.Array, KVCache]:
-    """Append ragged tokens; logits [B, V] at each row's last new token only (the LM head
-    over every prompt position would be ~40% of a small model's prefill)."""
+    """Append ragged tokens; the hidden state [B, E] at each row's last new token only (the LM
+    head over every prompt position would be ~40% of a small model's prefill)."""
     hidden, cache = model.hidden_states(tokens, cache=cache, num_new=n, window=window, layers=layers)
-    last = jnp.take_along_axis(hidden, jnp.maximum(n - 1, 0)[:, None, None], 1)[:, 0]
-    return model.logits(last), cache
+    return jnp.take_along_axis(hidden, jnp.maximum(n - 1, 0)[:, None, None], 1)[:, 0], cache
 
 
 def _prefill(graphdef, params, layers, prompts, lengths, key, *, group_size: int, cache_len: int,
@@ -180,6 +180,7 @@ def _prefill(graphdef, params, layers, prompts, lengths, key, *, group_size: int
     p = prompts.shape[0]
     cache = model.init_cache(p, cache_len, cache_dtype, per_layer=layers is not None)
     last, cache = _extend_last(model, layers, prompts, cache, lengths, window=0)  # nothing to read yet
+    last = model.logits(last)
     # Each prompt is prefilled once; its cache is copied to its G group members.
     cache = cache.repeat_rows(group_size)
     b = p * group_size
@@ -264,11 +265,24 @@ def _progress(state: SamplerState, steps=0) -> jax.Array:
     return jnp.stack([jnp.int32(steps), jnp.max(jnp.where(state.active, lengths, -1)), jnp.max(lengths)])
 
 
-def _insert(graphdef, params, layers, state: SamplerState, ids, n, end_rows, *, window: int) -> SamplerState:
+# Tokens per pass of an insert: a pass materialises its attention scores, [rows, heads, chunk,
+# window] float32 (a search's 5 passages are up to 768 tokens: one pass of them needed 16.4 GiB of
+# temporaries per v4 device at the 7B config's 80 rows per tensor-parallel group, 128 need 2.5).
+INSERT_CHUNK = 128
+
+
+def _insert(graphdef, params, layers, state: SamplerState, ids, n, end_rows, *, window: int,
+            chunk: int = INSERT_CHUNK) -> SamplerState:
     """Append `ids[b, :n[b]]` to row b (cache and response, loss mask 0), unpause every row,
-    and end the rows in `end_rows`."""
+    and end the rows in `end_rows`. The tokens go in `chunk` at a time, each pass reading the
+    cache up to what the passes before it wrote."""
     model: Qwen2 = nnx.merge(graphdef, params)
-    last, cache = _extend_last(model, layers, ids, state.cache, n, window)
+    last, cache = None, state.cache
+    for start in range(0, ids.shape[1], chunk):
+        part = jnp.clip(n - start, 0, chunk)
+        hidden, cache = _extend_last(model, layers, ids[:, start:start + chunk], cache, part,
+                                     min(window + start, cache.max_length))
+        last = hidden if last is None else jnp.where((part > 0)[:, None], hidden, last)
     width = state.resp.shape[1]
     cols = state.resp_len[:, None] + jnp.arange(ids.shape[1])[None, :]
     cols = jnp.where(jnp.arange(ids.shape[1])[None, :] < n[:, None], cols, width)  # drop padding
@@ -276,7 +290,7 @@ def _insert(graphdef, params, layers, state: SamplerState, ids, n, end_rows, *, 
     resp_len = state.resp_len + n
     got = n > 0
     return dataclasses.replace(
-        state, cache=cache, logits=jnp.where(got[:, None], last, state.logits),
+        state, cache=cache, logits=jnp.where(got[:, None], model.logits(last), state.logits),
         resp=state.resp.at[rows, cols].set(ids, mode="drop"),
         resp_logprob=state.resp_logprob.at[rows, cols].set(0.0, mode="drop"),
         resp_sampled=state.resp_sampled.at[rows, cols].set(False, mode="drop"),
@@ -309,7 +323,7 @@ def _cast_wider(params, dtype):
 prefill_step = jax.jit(_prefill, static_argnums=0,
                        static_argnames=("group_size", "cache_len", "resp_len", "cache_dtype"))
 decode_loop = jax.jit(_decode, static_argnums=0, static_argnames=("cfg", "window"), donate_argnums=3)
-insert_step = jax.jit(_insert, static_argnums=0, static_argnames="window", donate_argnums=3)
+insert_step = jax.jit(_insert, static_argnums=0, static_argnames=("window", "chunk"), donate_argnums=3)
 layer_list = jax.jit(lambda graphdef, params: nnx.merge(graphdef, params).layer_list(transposed=True),
                      static_argnums=0)
 any_paused = jax.jit(lambda state: jnp.any(state.paused))
@@ -332,21 +346,21 @@ class Sampler:
 
     With a `mesh`, rows are sharded over its batch axes and each process passes (and gets
     back, through `local`) only its own rows; widths are agreed between processes so that
-    every process makes the same compiled calls (`sem_jax.hosts`).
+    every process makes the same compiled calls (`sem_jax.hosts`). The weights are placed in the
+    mesh's layout by their logical axes, whatever layout they arrive in.
     """
 
     def __init__(self, model: Qwen2, stop: StopAutomaton, cfg: SamplingConfig,
                  max_steps_per_call: int | None = None, mesh: jax.sharding.Mesh | None = None,
                  calls: hosts.CallLog | None = None, window_steps: int = 32, per_layer: bool | None = None,
-                 max_prompt_tokens: int | None = None):
+                 max_prompt_tokens: int | None = None, insert_chunk: int = INSERT_CHUNK):
         self.graphdef, params = nnx.split(model)
         self.cache_dtype = model.dtype
-        self.params = compute_weights(params, self.cache_dtype)
+        self.mesh = mesh
         self.max_prompt_tokens = max_prompt_tokens  # longer prompts are refused, not compiled for
         self.per_layer = per_layer_default() if per_layer is None else per_layer
-        self.layers = layer_list(self.graphdef, self.params) if self.per_layer else None
+        self.set_params(params)
         self.config = cfg
-        self.mesh = mesh
         self.calls = calls or hosts.CallLog(False)
         vocab = model.config.vocab_size
         table = stop.table
@@ -357,6 +371,7 @@ class Sampler:
         self.eos_ids = self._replicated(np.array(cfg.eos_ids or [-1], np.int32))
         self.max_steps = max_steps_per_call or cfg.max_new_tokens
         self.window_steps = window_steps
+        self.insert_chunk = insert_chunk
 
     def _replicated(self, x: np.ndarray | jax.Array) -> jax.Array:
         """`x` whole on every device of the mesh (as an array, as it is, without a mesh)."""
@@ -380,9 +395,18 @@ class Sampler:
         return bool(any_paused(state))
 
     def set_params(self, params: Any) -> None:
-        """Use new policy weights (same structure) for the next rollouts."""
-        self.params = compute_weights(params, self.cache_dtype)
-        self.layers = layer_list(self.graphdef, self.params) if self.per_layer else None
+        """Use new policy weights (same structure) for the next rollouts: in the compute dtype and,
+        with a mesh, in its layout (a no-op where they already are: the sampler's mesh may differ
+        from the trainer's, `sem_jax.assemble.build_rollout_mesh`)."""
+        params = compute_weights(params, self.cache_dtype)
+        with self._on_mesh():
+            self.params = params if self.mesh is None else shard_params(params, self.mesh)
+            self.layers = layer_list(self.graphdef, self.params) if self.per_layer else None
+
+    def _on_mesh(self):
+        """The sampler's mesh as the ambient one (the model's sharding constraints name it), whatever
+        mesh the caller runs under."""
+        return contextlib.nullcontext() if self.mesh is None else jax.set_mesh(self.mesh)
 
     def release(self) -> None:
         """Drop the weights and their per-layer copies (a model's worth of memory on the CPU path)
@@ -406,9 +430,10 @@ class Sampler:
         lengths = np.array([len(p) for p in prompts], np.int32)
         key = self._replicated(key)
         self.calls.record("prefill", arr)
-        return prefill_step(self.graphdef, self.params, self.layers, self._rows(arr), self._rows(lengths), key,
-                            group_size=group_size, cache_len=width + self.config.response_tokens,
-                            resp_len=self.config.response_tokens, cache_dtype=self.cache_dtype)
+        with self._on_mesh():
+            return prefill_step(self.graphdef, self.params, self.layers, self._rows(arr), self._rows(lengths), key,
+                                group_size=group_size, cache_len=width + self.config.response_tokens,
+                                resp_len=self.config.response_tokens, cache_dtype=self.cache_dtype)
 
     def _window(self, state: SamplerState, need: int) -> int:
         """Cache slots attention reads when rows hold up to `need` (a bucket, at most all)."""
@@ -423,8 +448,10 @@ class Sampler:
         while top >= 0 and left > 0:  # a row is active
             window = self._window(state, top + self.window_steps)
             self.calls.record(f"decode@{window}", state.resp)
-            state, info = decode_loop(self.graphdef, self.params, self.layers, state, self.stop_table, self.eos_ids,
-                                      self._replicated(np.int32(left)), cfg=self.config, window=window)
+            with self._on_mesh():
+                state, info = decode_loop(self.graphdef, self.params, self.layers, state, self.stop_table,
+                                          self.eos_ids, self._replicated(np.int32(left)), cfg=self.config,
+                                          window=window)
             steps, top, _ = np.asarray(info).tolist()
             if steps == 0:  # cannot happen with a window past the longest active row
                 raise RuntimeError(f"decode made no progress: window {window}, longest active row {top}")
@@ -446,6 +473,7 @@ class Sampler:
         longest = int(np.asarray(progress(state))[2]) if self.window_steps else 0  # no sync without windows
         window = self._window(state, longest)
         self.calls.record(f"insert@{window}", ids)
-        return insert_step(self.graphdef, self.params, self.layers, state, self._rows(ids), self._rows(n),
-                           self._rows(end), window=window)
+        with self._on_mesh():
+            return insert_step(self.graphdef, self.params, self.layers, state, self._rows(ids), self._rows(n),
+                               self._rows(end), window=window, chunk=self.insert_chunk)
 
