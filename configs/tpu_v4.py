@@ -28,8 +28,9 @@ def get_config(size: str = "7b"):
     c.data.eval_file = "/mnt/sem_jax/data/sem_eval.jsonl"
     c.data.prompts_per_step = 64
     c.retrieval.index_dir = "/mnt/disks/index"  # every host holds a copy (retrieval runs per host)
-    # Checked with sem_jax.aot (tpu/README.md) for 1024 sampled + 1504 inserted response tokens: 7B on
-    # v4:2x2x4 peaks at 15.3 of 16 GiB with 16 rows (one per chip); 14B on v4:4x4x4 at 11.3 with 2 rows.
+    # Checked with sem_jax.aot (tpu/README.md) for 1024 sampled + 1504 inserted response tokens: the 7B
+    # update on v4:2x2x4 peaks at 15.3 of 16 GiB with 16 rows (one per chip), its rollout's insert at
+    # 15.2 beside the trainer's state; 14B on v4:4x4x4 at 11.3 with 2 rows, 14.1.
     c.rl.micro_batch = 16 if size == "7b" else 2
     c.train.total_steps = 300
     c.train.eval_every = 25
