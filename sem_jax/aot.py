@@ -212,7 +212,8 @@ def check(config: ConfigDict, topology: str | None = None, hbm_gib: float | None
 
 def sampler_rows(label: str, graphdef, params, prompts_n: int, group: int, config: ConfigDict, s, mcfg: Qwen2Config,
                  arr) -> list[Row]:
-    """The sampler's prefill and decode loop for `prompts_n` prompts x `group` rows each."""
+    """The sampler's prefill, decode loop and (with searches) insert for `prompts_n` prompts x
+    `group` rows each."""
     resp = s.sampling.response_tokens
     compute = jnp.dtype(config.model.compute_dtype)
     tp = bucket_length(config.data.max_prompt_tokens)

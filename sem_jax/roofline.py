@@ -17,8 +17,8 @@ calls on the sampler's mesh (`rollout.tensor`) and the trainer's on the training
 - the ideal: the model's FLOPs (2 per weight per token, causal attention, the head where it runs;
   3x for the update, plus what the remat policy recomputes) and the bytes that must move (the
   weights once in the compute dtype, the KV window read, this call's keys and values written),
-  divided evenly over the devices (a layout that keeps whole weights in groups of T devices reads
-  at least T / devices of them on each).
+  divided evenly over the devices (a layout that keeps whole weights in each group of T devices
+  reads at least 1/T of them on each device: `decode_floor`).
 - the predicted time per call on each chip of CHIPS: the larger of FLOPs / peak and bytes /
   bandwidth (each chip's time for the target's per-device program), and from them the step: one
   prefill, `max_new_tokens` decode steps at the full window, `max_searches` inserts, and a
@@ -270,7 +270,7 @@ def analyse(config: ConfigDict, devices: list, mcfg: Qwen2Config) -> tuple[list[
                           remat_flops=(3 * fwd + recomputed(parts, config.model.remat)) / n))
     m = decode.memory_analysis()
     shards = batch_shards(rollout_mesh)
-    per_group = rows / shards
+    per_group = rows // shards  # rows split evenly over the batch shards (hosts.to_global)
     resident = trainer_bytes(params, opt, config)  # held while the sampler runs
     kv = sampler_state.cache
     shapes = dict(devices=n, device_kind=devices[0].device_kind, rollout_mesh=dict(rollout_mesh.shape), rows=rows,

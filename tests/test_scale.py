@@ -70,6 +70,10 @@ def test_roofline_counts_every_layer_and_step_as_a_hand_count(tmp_path):
     # float32 over 4 devices by FSDP (the q/k/v biases replicated: 0.4% here), beta 0 (no reference):
     params = L * (weights + (H + 2 * K) * D + 2 * E) + 2 * V * E + E
     assert sh["resident"] == pytest.approx(3 * 4 * params / n, rel=0.01)
+    # A decode step reads a group's half of the weights (all but the embedding table) and a
+    # quarter of the KV window.
+    floor = 4 * (params - V * E) / 2 + 2 * L * rows * K * D * w * 4 / n
+    assert sh["decode_floor"] == pytest.approx(floor)
     for name, flops in hand.items():
         assert calls[name]["flops"] == pytest.approx(flops / n, rel=0.1), name
     assert calls["decode step"]["per_step"] == 32 and calls["insert"]["per_step"] == 1
