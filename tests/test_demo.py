@@ -170,7 +170,7 @@ def test_demo_config_end_to_end_with_tiny_budgets(tmp_path):
     small_model = ["--config.model.init.hidden_size=32", "--config.model.init.intermediate_size=64",
                    "--config.model.init.num_layers=2"]
     cmd = lambda steps: [
-        sys.executable, "-m", "sem_jax.demo", f"--config.run_dir={run}", "--config.warm_start.steps=30",
+        sys.executable, "-m", "sem_jax.demo", f"--config.run_dir={run}", "--config.warm_start.steps=10",
         "--config.warm_start.lookup_steps=5", "--config.warm_start.copy_steps=3",
         "--config.world.rl_people=16", "--config.world.eval_people=6", "--config.world.warm_people=40",
         f"--config.train.total_steps={steps}", "--config.train.ckpt_every=1", "--config.data.prompts_per_step=2",
