@@ -15,6 +15,9 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 MESH_AXES = ("data", "fsdp", "tensor")
+# Auto axes: GSPMD propagates shardings; Explicit (the default of make_mesh) would reject the
+# gathers and einsums this model writes in plain jnp.
+AXIS_TYPES = (AxisType.Auto,) * len(MESH_AXES)
 
 # The one rules table. Parameters: `embed` is sharded by FSDP, the wide axes
 # (heads, mlp, vocab) by tensor parallelism. Activations use their own names
@@ -54,10 +57,7 @@ def make_mesh(data: int = 1, fsdp: int = -1, tensor: int = 1,
     if int(np.prod(sizes)) != len(devices):
         raise ValueError(f"mesh data={sizes[0]} fsdp={sizes[1]} tensor={sizes[2]} needs "
                          f"{int(np.prod(sizes))} devices, have {len(devices)}")
-    # Auto axes: GSPMD propagates shardings; Explicit (the default of make_mesh)
-    # would reject the gathers and einsums this model writes in plain jnp.
-    return jax.make_mesh(tuple(sizes), MESH_AXES, axis_types=(AxisType.Auto,) * 3,
-                         devices=devices)
+    return jax.make_mesh(tuple(sizes), MESH_AXES, axis_types=AXIS_TYPES, devices=devices)
 
 
 def tensor_groups(mesh: Mesh, tensor: int) -> Mesh:
@@ -72,7 +72,7 @@ def tensor_groups(mesh: Mesh, tensor: int) -> Mesh:
         raise ValueError(f"rollout.tensor={tensor} must divide each process's devices "
                          f"({sorted(set(per_process.values()))}): a tensor group cannot span processes")
     grid = np.array(devices, dtype=object).reshape(len(devices) // tensor, 1, tensor)
-    return Mesh(grid, MESH_AXES, axis_types=(AxisType.Auto,) * 3)
+    return Mesh(grid, MESH_AXES, axis_types=AXIS_TYPES)
 
 
 def logical_to_spec(names: Sequence[str | None], shape: Sequence[int] | None = None,
