@@ -8,12 +8,18 @@ update, the last two for one micro-batch), at the config's shapes, for the targe
 calls on the sampler's mesh (`rollout.tensor`) and the trainer's on the training mesh:
 
 - XLA's own cost analysis of the compiled program: FLOPs and HBM bytes per device. XLA counts a
-  loop's body once, so each call is compiled twice, its layer scan running one and then two
-  layers per iteration: one layer's cost is the difference, and the call's is the first count plus
-  (layers - 1) differences. A decode step is the difference between a loop of the sampler's decode
-  step running two and one of them per iteration; the update and the reference pass are compiled
-  for one micro-batch, their loop over the LM head's chunks counted as the layers are; the TPU
-  compiler's windowed einsums (loops of its own) are turned off (`TPU_ANALYSIS_FLAGS`).
+  loop's body once. The sampler's calls are counted on a compile with the layer scan unrolled
+  whole (no loop left, the same ops as the program that runs); a decode step is the difference
+  between a loop of the sampler's decode step running two and one of them per iteration. The
+  update and the reference pass (one micro-batch each) do not compile unrolled whole (the TPU
+  compiler refuses the temporaries), so they are compiled twice per loop, the loop running one
+  and then two iterations at a time: one iteration's cost is the difference, the call's the first
+  count plus (iterations - 1) differences, for the layer scan and the loop over the LM head's
+  chunks. That difference is exact for FLOPs but not always for bytes: the TPU compiler lays a
+  partly unrolled loop out differently (for the 7B decode step it counted 35.8 GB where the
+  program unrolled whole counts 9.5). The TPU compiler's windowed einsums (loops of its own) are
+  turned off (`TPU_ANALYSIS_FLAGS`). Memory figures come from the programs as they run (loops
+  rolled).
 - the ideal: the model's FLOPs (2 per weight per token, causal attention, the head where it runs;
   3x for the update, plus what the remat policy recomputes) and the bytes that must move (the
   weights once in the compute dtype, the KV window read, this call's keys and values written),
@@ -191,11 +197,12 @@ def analyse(config: ConfigDict, devices: list, mcfg: Qwen2Config) -> tuple[list[
     dtype, compute = jnp.dtype(config.model.dtype), jnp.dtype(config.model.compute_dtype)
     item = compute.itemsize
     # Training in model.dtype; the sampler's weights cast to the compute dtype (compute_weights).
+    L = mcfg.num_layers
     trained = {u: abstract_model(config, mcfg, mesh, dtype, scan_unroll=u) for u in (1, 2)}
-    sampled = {u: abstract_model(config, mcfg, rollout_mesh, narrower(dtype, compute), scan_unroll=u) for u in (1, 2)}
+    # The sampler's layer scan rolled (the program that runs: memory) and unrolled whole (counted).
+    sampled = {u: abstract_model(config, mcfg, rollout_mesh, narrower(dtype, compute), scan_unroll=u) for u in (1, L)}
     models, params = {u: m[0] for u, m in trained.items()}, trained[1][2]
     graphs, sampler_params = {u: m[1] for u, m in sampled.items()}, sampled[1][2]
-    L = mcfg.num_layers
     g, p = config.rollout.group_size, config.data.prompts_per_step
     rows = p * g
     micro = micro_batch(config)
@@ -213,8 +220,8 @@ def analyse(config: ConfigDict, devices: list, mcfg: Qwen2Config) -> tuple[list[
         static = dict(group_size=g, cache_len=window, resp_len=resp, cache_dtype=compute)
         prompts, lengths = arr((p, tp), jnp.int32), arr((p,), jnp.int32)
         lower = lambda layers: prefill_step.lower(graphs[layers], sampler_params, None, prompts, lengths, key, **static)
-        counts, prefill = counted(lower, {"layers": L})
-        calls.append(Call("prefill", 1, **counts,
+        prefill = lower(1).compile()
+        calls.append(Call("prefill", 1, **cost(lower(L).compile()),
                           ideal_flops=forward_flops(mcfg, p, tp, 0, p) / n,
                           ideal_bytes=(weight_bytes(mcfg, item) + kv_bytes(mcfg, p, tp, item)) / n))
         sampler_state = jax.tree.map(
@@ -227,7 +234,8 @@ def analyse(config: ConfigDict, devices: list, mcfg: Qwen2Config) -> tuple[list[
         eos = jax.ShapeDtypeStruct((2,), jnp.int32)
         lower = lambda k: lambda layers: decode_steps.lower(graphs[layers], sampler_params, sampler_state, table, eos,
                                                             cfg=s.sampling, window=window, steps=k)
-        (one, decode), (two, _) = counted(lower(1), {"layers": L}), counted(lower(2), {"layers": L})
+        decode = lower(1)(1).compile()
+        one, two = cost(lower(1)(L).compile()), cost(lower(2)(L).compile())
         counts = {k: two[k] - one[k] for k in one}
         calls.append(Call(f"decode step (window {window})", s.sampling.max_new_tokens, **counts,
                           ideal_flops=forward_flops(mcfg, rows, 1, window, rows) / n,
@@ -237,7 +245,7 @@ def analyse(config: ConfigDict, devices: list, mcfg: Qwen2Config) -> tuple[list[
             lower = lambda layers: insert_step.lower(graphs[layers], sampler_params, None, sampler_state, ids, nn, end,
                                                      window=window)
             calls.append(Call(f"insert ({wi} tokens)", config.rollout.max_searches,
-                              **counted(lower, {"layers": L})[0],
+                              **cost(lower(L).compile()),
                               ideal_flops=forward_flops(mcfg, rows, wi, window, rows) / n,
                               ideal_bytes=(weight_bytes(mcfg, item) + kv_bytes(mcfg, rows, window + wi, item)) / n))
 
