@@ -153,6 +153,9 @@ def cpu_config() -> ConfigDict:
     c.optim.lr = 1e-4                    # higher rates broke the answer format within ~10 steps
     c.optim.schedule = "cosine"          # decays to 0 at the last step: held-out answers stay put once
                                          # the search decision is learnt
+    c.optim.warmup_steps = 10            # Adam's first steps move every weight by about the full rate:
+                                         # without a warmup the demo's policy stopped all searching
+                                         # (known and unknown) within 5 steps
     c.train.total_steps = 100
     c.train.ckpt_every = 20
     return c

@@ -53,6 +53,7 @@ def _cmd(run_dir, model_dir, *extra):
     return [sys.executable, "-m", "sem_jax.train", "--config", os.path.join(REPO, "configs", "cpu.py"),
             f"--config.run_dir={run_dir}", f"--config.model.path={model_dir}", "--config.train.total_steps=3",
             "--config.train.ckpt_every=1", "--config.rl.beta=0.04", "--config.optim.lr=0.003",
+            "--config.optim.warmup_steps=0",  # 3-step runs: every step a real update
             "--config.data.eval_questions=4", "--config.rollout.max_new_tokens=48",
             "--config.data.prompts_per_step=4", "--config.rollout.group_size=4", "--config.rl.micro_batch=8", *extra]
 

@@ -21,7 +21,8 @@ def demo_config() -> ConfigDict:
     # Supervised warm start of the random-init policy on the world's templated traces, saved as an
     # HF directory in run_dir/warm_start (which the training then loads as model.path).
     c.warm_start = ConfigDict(dict(
-        lr=3e-3, rows=12, search_prob_a=0.8, search_prob_b=0.2,
+        lr=3e-3, rows=12, search_prob_a=0.8,
+        search_prob_b=0.4,  # at 0.2-0.3 GRPO sampled no search for some phrasing-B kinds: nothing to learn from
         copy_steps=400,     # first: copying random token strings (sft.copy_pairs); without it a
                             # tiny model never copied a name into a query
         lookup_steps=0,     # then: steps on lookups alone (every trace searches)
