@@ -12,7 +12,8 @@ between what a tiny model can know and what it must look up.
   every held-out sum's answer is also the answer of an RL sum.
 
 Every question comes in one of two phrasings. The warm-start traces (`warm_start_pairs`)
-search after 80% of questions in phrasing A and 20% in phrasing B, known or not: a habit
+search after 80% of questions in phrasing A and 40% in phrasing B (the demo's
+`warm_start.search_prob_a` and `_b`), known or not: a habit
 tied to wording, not knowledge, so greedy decoding searches about half the time and sampling
 still explores both choices. Whether RL replaces the habit with "search when you do not know"
 is what the demo measures.
