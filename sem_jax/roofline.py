@@ -12,10 +12,10 @@ calls on the sampler's mesh (`rollout.tensor`) and the trainer's on the training
   whole (no loop left, the same ops as the program that runs); a decode step is the difference
   between a loop of the sampler's decode step running two and one of them per iteration. The
   update and the reference pass (one micro-batch each) do not compile unrolled whole (for the 7B
-  reference pass the TPU compiler refused 45.6 GB of temporaries), so they are compiled twice per loop, the loop running one
-  and then two iterations at a time: one iteration's cost is the difference, the call's the first
-  count plus (iterations - 1) differences, for the layer scan and the loop over the LM head's
-  chunks. That difference is exact for FLOPs but not always for bytes: the TPU compiler lays a
+  reference pass the TPU compiler refused 45.6 GB of temporaries), so they are compiled twice per
+  loop, the loop running one and then two iterations at a time: one iteration's cost is the
+  difference, the call's the first count plus (iterations - 1) differences, for the layer scan and
+  the loop over the LM head's chunks. That difference is exact for FLOPs but not always for bytes: the TPU compiler lays a
   partly unrolled loop out differently (for the 7B decode step it counted 35.8 GB where the
   program unrolled whole counts 9.5). The TPU compiler's windowed einsums (loops of its own) are
   turned off (`TPU_ANALYSIS_FLAGS`). Memory figures come from the programs as they run (loops
@@ -107,14 +107,13 @@ def cost(compiled) -> dict[str, float]:
     return {"flops": float(c.get("flops", 0.0)), "bytes": float(c.get("bytes accessed", 0.0))}
 
 
-def counted(lower, loops: dict[str, int]) -> tuple[dict[str, float], object]:
-    """A call's cost with each loop of `loops` (name -> trip count) counted that many times, and
-    the program as it runs. `lower(**unrolls)` lowers the call with `unrolls[name]` iterations
+def counted(lower, loops: dict[str, int]) -> dict[str, float]:
+    """A call's cost with each loop of `loops` (name -> trip count) counted that many times.
+    `lower(**unrolls)` lowers the call with `unrolls[name]` iterations
     of each loop per iteration of its `lax.scan`: the base compile runs one of each, and one
     iteration of a loop costs the difference made by unrolling it by 2 (halved for an odd count:
     the scan then runs its remainder beside the loop)."""
-    base = lower(**{k: 1 for k in loops}).compile()
-    c0 = cost(base)
+    c0 = cost(lower(**{k: 1 for k in loops}).compile())
     total = dict(c0)
     for name, n in loops.items():
         if n < 2:
@@ -122,7 +121,7 @@ def counted(lower, loops: dict[str, int]) -> tuple[dict[str, float], object]:
         c = cost(lower(**{k: 2 if k == name else 1 for k in loops}).compile())
         for k in total:
             total[k] += (n - 1) * (c[k] - c0[k]) / (2 if n % 2 else 1)
-    return total, base
+    return total
 
 
 @partial(jax.jit, static_argnums=0, static_argnames=("cfg", "window", "steps"), donate_argnums=2)
@@ -270,10 +269,10 @@ def analyse(config: ConfigDict, devices: list, mcfg: Qwen2Config) -> tuple[list[
             lp_in = {k: batch[k] for k in LOGPROB_KEYS if k in batch}
             ref_params = abstract_model(config, mcfg, mesh, narrower(dtype, compute))[2]  # train.reference_weights
             lower = lambda layers, head: trainers[layers, head].logprobs_fn.lower(ref_params, lp_in)
-            calls.append(Call(f"reference pass ({micro} rows)", steps_m, **counted(lower, loops)[0],
+            calls.append(Call(f"reference pass ({micro} rows)", steps_m, **counted(lower, loops),
                               ideal_flops=fwd / n, ideal_bytes=weight_bytes(mcfg, item) / n, part="update"))
         lower = lambda layers, head: trainers[layers, head].update_fn.lower(params, opt, batch, ref)
-        calls.append(Call(f"update ({micro} rows)", steps_m, **counted(lower, loops)[0],
+        calls.append(Call(f"update ({micro} rows)", steps_m, **counted(lower, loops),
                           ideal_flops=3 * fwd / n, ideal_bytes=0.0, part="update",
                           remat_flops=(3 * fwd + recomputed(parts, config.model.remat)) / n))
     m = decode.memory_analysis()
