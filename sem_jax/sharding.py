@@ -117,6 +117,18 @@ def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
     return jax.lax.with_sharding_constraint(x, logical_to_spec(names, x.shape, dict(mesh.shape)))
 
 
+def shards(name: str, size: int) -> int:
+    """Into how many pieces the ambient mesh (`jax.set_mesh`) splits a dimension of `size` with
+    logical axis `name` (1 without a mesh, or where its mesh axes do not divide `size`)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return 1
+    spec = logical_to_spec([name], [size], dict(mesh.shape))
+    axes = spec[0] if spec else None
+    axes = () if axes is None else (axes,) if isinstance(axes, str) else axes
+    return int(np.prod([mesh.shape[a] for a in axes]))
+
+
 def put(x, sharding: NamedSharding) -> jax.Array:
     """`jax.device_put` that also works when `sharding` spans several processes: a value that
     is the same on every process (a process-local array) gives each process its own shards

@@ -136,19 +136,23 @@ def test_inverse_cdf_sampling_matches_distribution():
     assert counts[probs < 1e-7].sum() == 0
 
 
-def test_inverse_cdf_falls_back_to_argmax_on_a_zero_probability_entry(monkeypatch):
-    """A uniform at the top of its range walks past the last chunk's mass onto zero-probability
-    entries (float rounding does this rarely); the sample is then the row's argmax."""
+def test_inverse_cdf_stops_at_the_last_entry_with_mass_when_rounding_overshoots(monkeypatch):
+    """A uniform at the top of its range walks past the last chunk's mass (float rounding does
+    this rarely): into an empty last chunk, or past the last nonzero entry of a chunk. The
+    sample is then the last entry with mass, where the CDF reaches its top, never a
+    zero-probability one."""
     from sem_jax.sampling.sampler import _inverse_cdf
-    probs = np.zeros((2, 700), np.float32)
+    probs = np.zeros((3, 700), np.float32)
     probs[0, 10], probs[0, 300] = 1.0, 0.5  # the last chunk (512..699) is all zeros
-    probs[1, 699] = 1.0                     # its walk ends on a real entry: no fallback
+    probs[1, 699] = 1.0                     # its walk ends on a real entry
+    probs[2, 5], probs[2, 600] = 1.0, 0.25  # mass in the last chunk, whose tail is empty
     monkeypatch.setattr(jax.random, "uniform", lambda key, shape: jnp.ones(shape))
-    np.testing.assert_array_equal(np.asarray(_inverse_cdf(jnp.asarray(probs), jax.random.key(0))), [10, 699])
+    np.testing.assert_array_equal(np.asarray(_inverse_cdf(jnp.asarray(probs), jax.random.key(0))), [300, 699, 600])
 
 
 def test_argmax_matches_numpy_with_ties_and_nan():
-    from sem_jax.sampling.sampler import argmax, max_argmax
+    from sem_jax.sampling.sampler import max_argmax
+    argmax = lambda x: max_argmax(x)[1]
     x = np.random.RandomState(0).randint(0, 5, (64, 300)).astype(np.float32)  # many ties
     x[5, :] = -np.inf
     x[6, 299] = 9.0  # the maximum in the last, padded chunk
@@ -161,6 +165,40 @@ def test_argmax_matches_numpy_with_ties_and_nan():
     x[3, 7] = x[9, :] = np.nan  # a broken row still gets a valid id (a NaN's or a maximum's)
     got = np.asarray(jax.jit(argmax)(x))
     assert got[9] == 0 and (got[3] == 7 or x[3, got[3]] == np.nanmax(x[3]))
+
+
+def test_vocabulary_walks_keep_tensor_sharded_logits_in_place():
+    """Qwen2.5-7B's 152064 logits split over 4 devices: sampling (and the greedy argmax) gather
+    only per-chunk values, never a share of the logits themselves (at a chunk width of 256 the
+    594 chunks do not split 4 ways, and every device gathered half the vocabulary), and sample
+    what the same call samples unsharded."""
+    import re
+
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from sem_jax.sharding import make_mesh
+    v = 152064
+    mesh = make_mesh(data=2, fsdp=1, tensor=4)
+    with jax.set_mesh(mesh):
+        assert [sm.chunk_width(n) for n in (v, 151936, 700)] == [128, 32, 256]
+    with jax.set_mesh(make_mesh(data=1, fsdp=1, tensor=8)):
+        assert sm.chunk_width(v) == 64
+    assert [sm.chunk_width(n) for n in (v, 151936, 700, 1088)] == [128, 128, 256, 64]
+    logits = jax.random.normal(jax.random.key(0), (8, v)) * 3.0
+    keys = jax.random.split(jax.random.key(1), 4)
+    for cfg in (SamplingConfig(max_new_tokens=1, temperature=0.7), SamplingConfig(max_new_tokens=1, greedy=True)):
+        fn = jax.jit(lambda x, k: sample_tokens(x, k, cfg))
+        want = [fn(logits, k) for k in keys]
+        with jax.set_mesh(mesh):
+            sharded = jax.device_put(logits, NamedSharding(mesh, PartitionSpec("data", "tensor")))
+            fn = jax.jit(lambda x, k: sample_tokens(x, k, cfg))
+            hlo = fn.lower(sharded, keys[0]).compile().as_text()
+            got = [fn(sharded, k) for k in keys]
+        gathered = [np.prod([int(d) for d in dims.split(",")]) for dims in re.findall(r"= \w+\[([\d,]+)\]\S* all-gather", hlo)]
+        assert max(gathered, default=0) <= 8 * v // 64, gathered
+        for (t0, l0), (t1, l1) in zip(want, got):
+            np.testing.assert_array_equal(np.asarray(t1), np.asarray(t0))
+            np.testing.assert_allclose(np.asarray(l1), np.asarray(l0), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("per_layer", [False, True])
