@@ -15,11 +15,12 @@ calls on the sampler's mesh (`rollout.tensor`) and the trainer's on the training
   reference pass the TPU compiler refused 45.6 GB of temporaries), so they are compiled twice per
   loop, the loop running one and then two iterations at a time: one iteration's cost is the
   difference, the call's the first count plus (iterations - 1) differences, for the layer scan and
-  the loop over the LM head's chunks. That difference is exact for FLOPs but not always for bytes: the TPU compiler lays a
-  partly unrolled loop out differently (for the 7B decode step it counted 35.8 GB where the
-  program unrolled whole counts 9.5). The TPU compiler's windowed einsums (loops of its own) are
-  turned off (`TPU_ANALYSIS_FLAGS`). Memory figures come from the programs as they run (loops
-  rolled).
+  the loop over the LM head's chunks. That difference is exact for FLOPs but not always for
+  bytes: the TPU compiler lays a partly unrolled loop out differently (the 7B decode step,
+  counted so, copied every layer's KV window at each step: 3.8x the program unrolled whole).
+  The TPU compiler's windowed einsums (loops of its own) and its staging in v4's CMEM (counted
+  beside the HBM traffic) are turned off (`TPU_ANALYSIS_FLAGS`). Memory figures come from the
+  programs as they run (loops rolled).
 - the ideal: the model's FLOPs (2 per weight per token, causal attention, the head where it runs;
   3x for the update, plus what the remat policy recomputes) and the bytes that must move (the
   weights once in the compute dtype, the KV window read, this call's keys and values written),
@@ -59,8 +60,14 @@ from sem_jax.sharding import match_param_shardings
 # (a windowed einsum: collective-permutes beside partial matmuls), whose body XLA's cost analysis
 # counts once. Turned off for the analysis: the same FLOPs, the gathered weight then written
 # once more than with the overlap.
+# The v4 compiler also stages operands in CMEM, the chip's on-die memory (memory space 3 in the
+# HLO), and the cost analysis counts every memory alike: a weight prefetched to CMEM counted
+# three times (the HBM read, the CMEM write, the dot's CMEM read). Off for the analysis: every
+# byte counted is then an HBM byte, the count of a chip without CMEM (v5e, v6e, the GPUs), and an
+# upper bound for v4.
 TPU_ANALYSIS_FLAGS = ("--xla_tpu_enable_windowed_einsum_for_all_gather=false",
-                      "--xla_tpu_enable_windowed_einsum_for_reduce_scatter=false")
+                      "--xla_tpu_enable_windowed_einsum_for_reduce_scatter=false",
+                      "--xla_tpu_cmem_memory_space_assignment=false")
 
 
 def set_analysis_flags() -> None:
