@@ -10,7 +10,8 @@ calls on the sampler's mesh (`rollout.tensor`) and the trainer's on the training
 - XLA's own cost analysis of the compiled program: FLOPs and HBM bytes per device. XLA counts a
   loop's body once. The sampler's calls are counted on a compile with the layer scan unrolled
   whole (no loop left, the same ops as the program that runs); a decode step is the difference
-  between a loop of the sampler's decode step running two and one of them per iteration. The
+  between a loop of the sampler's decode step running two and one of them per iteration (counted
+  again with 2 and 4 layers, it splits into one layer's bytes and the rest's: `decode_split`). The
   update and the reference pass (one micro-batch each) do not compile unrolled whole (for the 7B
   reference pass the TPU compiler refused 45.6 GB of temporaries), so they are compiled twice per
   loop, the loop running one and then two iterations at a time: one iteration's cost is the
@@ -238,11 +239,18 @@ def analyse(config: ConfigDict, devices: list, mcfg: Qwen2Config) -> tuple[list[
         states = sum(len(x.encode()) for x in s.protocol.stop_strings) + 1
         table = jax.ShapeDtypeStruct((mcfg.vocab_size, states), jnp.int32)
         eos = jax.ShapeDtypeStruct((2,), jnp.int32)
-        lower = lambda k: lambda layers: decode_steps.lower(graphs[layers], sampler_params, sampler_state, table, eos,
-                                                            cfg=s.sampling, window=window, steps=k)
-        decode = lower(1)(1).compile()
-        one, two = cost(lower(1)(L).compile()), cost(lower(2)(L).compile())
-        counts = {k: two[k] - one[k] for k in one}
+        decode = decode_steps.lower(graphs[1], sampler_params, sampler_state, table, eos, cfg=s.sampling,
+                                    window=window, steps=1).compile()
+        counts = decode_count(graphs[L], sampler_params, sampler_state, table, eos, s.sampling, window)
+        # The same step with 2 and 4 layers: what one layer and the rest (the head, sampling) read.
+        few = {}
+        for layers in (2, 4):
+            small = dataclasses.replace(mcfg, num_layers=layers)
+            _, graph, weights = abstract_model(config, small, rollout_mesh, narrower(dtype, compute), scan_unroll=layers)
+            stacked = lambda x: jax.ShapeDtypeStruct((layers, *x.shape[1:]), x.dtype, sharding=x.sharding)
+            kv = sampler_state.cache
+            state = dataclasses.replace(sampler_state, cache=dataclasses.replace(kv, k=stacked(kv.k), v=stacked(kv.v)))
+            few[layers] = decode_count(graph, weights, state, table, eos, s.sampling, window)["bytes"]
         calls.append(Call(f"decode step (window {window})", s.sampling.max_new_tokens, **counts,
                           ideal_flops=forward_flops(mcfg, rows, 1, window, rows) / n,
                           ideal_bytes=(weight_bytes(mcfg, item) + kv_bytes(mcfg, rows, window, item)) / n))
@@ -299,7 +307,27 @@ def analyse(config: ConfigDict, devices: list, mcfg: Qwen2Config) -> tuple[list[
                   # per device, from the compiled state's shards (KV heads split over a group, buffers not)
                   decode_state_per_row=device_bytes(sampler_state) / per_group,
                   kv_per_row=device_bytes((kv.k, kv.v)) / per_group * window / kv.max_length)
+    shapes["decode_split"] = decode_split(few, mcfg, rows, window, item, shards / n, n)
     return calls, shapes
+
+
+def decode_count(graphdef, params, state, stop_table, eos_ids, cfg, window: int) -> dict[str, float]:
+    """One decode step's cost: a loop of two steps per iteration less a loop of one (the layer
+    scan unrolled whole in `graphdef`)."""
+    one, two = (cost(decode_steps.lower(graphdef, params, state, stop_table, eos_ids, cfg=cfg, window=window,
+                                        steps=k).compile()) for k in (1, 2))
+    return {k: two[k] - one[k] for k in one}
+
+
+def decode_split(few: dict[int, float], c: Qwen2Config, rows: int, window: int, item: int, weight_share: float,
+                 n: int) -> dict[str, float]:
+    """A decode step's bytes per layer and for the rest (embedding, final norm, LM head, sampling)
+    from its counts with 2 and 4 layers, each beside the layout's floor for it."""
+    per_layer = (few[4] - few[2]) / 2
+    head = weight_bytes(dataclasses.replace(c, num_layers=0), item)
+    return dict(per_layer=per_layer, per_layer_floor=(weight_bytes(c, item) - head) / c.num_layers * weight_share
+                + kv_bytes(dataclasses.replace(c, num_layers=1), rows, window, item) / n,
+                rest=few[2] - 2 * per_layer, rest_floor=head * weight_share)
 
 
 # -- the report -------------------------------------------------------------------------------
@@ -365,6 +393,10 @@ def report(calls: list[Call], shapes: dict, label: str, hbm: float, group_size: 
     print(f"\nthe decode step in the sampler's layout reads at least {shapes['decode_floor'] / 1e9:.2f} GB per device "
           f"(the weights over a data group of {shapes['group_devices']}, the KV window over all devices): XLA's count "
           f"is {d.bytes / shapes['decode_floor']:.2f}x that")
+    sp = shapes["decode_split"]
+    print(f"counted with 2 and 4 layers: {sp['per_layer'] / 1e6:.0f} MB per layer (floor {sp['per_layer_floor'] / 1e6:.0f}), "
+          f"{sp['rest'] / 1e6:.0f} MB for the embedding, final norm, LM head and sampling (floor "
+          f"{sp['rest_floor'] / 1e6:.0f})")
     names = list(CHIPS)
     print("\npredicted ms per call, the larger of FLOPs / peak and bytes / bandwidth "
           "(MFU: the model's FLOPs; BW: the ideal bytes)")

@@ -77,6 +77,13 @@ def test_roofline_counts_every_layer_and_step_as_a_hand_count(tmp_path):
     assert sh["decode_floor"] == pytest.approx(floor)
     # XLA's count of a decode step (its layer scan unrolled whole) moves at least what the layout must.
     assert calls["decode step"]["bytes"] >= floor
+    # Its split, from compiles with 2 and 4 layers (4: this model's own program), into what a layer
+    # and what the rest read, each beside its share of the floor.
+    sp = sh["decode_split"]
+    assert sp["rest_floor"] == pytest.approx(4 * (V * E + E) / 2)  # the final norm and the head
+    assert L * sp["per_layer_floor"] + sp["rest_floor"] == pytest.approx(floor)
+    assert L * sp["per_layer"] + sp["rest"] == pytest.approx(calls["decode step"]["bytes"])
+    assert sp["per_layer"] >= sp["per_layer_floor"] and sp["rest"] >= sp["rest_floor"]
     for name, flops in hand.items():
         assert calls[name]["flops"] == pytest.approx(flops / n, rel=0.1), name
     assert calls["decode step"]["per_step"] == 32 and calls["insert"]["per_step"] == 1
