@@ -243,12 +243,11 @@ def analyse(config: ConfigDict, devices: list, mcfg: Qwen2Config) -> tuple[list[
                                     window=window, steps=1).compile()
         counts = decode_count(graphs[L], sampler_params, sampler_state, table, eos, s.sampling, window)
         # The same step with 2 and 4 layers: what one layer and the rest (the head, sampling) read.
-        few = {}
+        few, kv = {}, sampler_state.cache
         for layers in (2, 4):
             small = dataclasses.replace(mcfg, num_layers=layers)
             _, graph, weights = abstract_model(config, small, rollout_mesh, narrower(dtype, compute), scan_unroll=layers)
             stacked = lambda x: jax.ShapeDtypeStruct((layers, *x.shape[1:]), x.dtype, sharding=x.sharding)
-            kv = sampler_state.cache
             state = dataclasses.replace(sampler_state, cache=dataclasses.replace(kv, k=stacked(kv.k), v=stacked(kv.v)))
             few[layers] = decode_count(graph, weights, state, table, eos, s.sampling, window)["bytes"]
         calls.append(Call(f"decode step (window {window})", s.sampling.max_new_tokens, **counts,
@@ -292,22 +291,21 @@ def analyse(config: ConfigDict, devices: list, mcfg: Qwen2Config) -> tuple[list[
                           remat_flops=(3 * fwd + recomputed(parts, config.model.remat)) / n))
     m = decode.memory_analysis()
     shards = batch_shards(rollout_mesh)
+    floor = lambda c: decode_floor(c, rows, window, item, shards / n, n)
     per_group = rows // shards  # rows split evenly over the batch shards (hosts.to_global)
     resident = trainer_bytes(params, opt, config)  # held while the sampler runs
-    kv = sampler_state.cache
     shapes = dict(devices=n, device_kind=devices[0].device_kind, rollout_mesh=dict(rollout_mesh.shape), rows=rows,
                   rows_per_group=per_group, group_devices=n // shards,  # a data group: the devices sharing rows
                   prompt=tp, response=resp, window=window, micro_batch=micro, micro_batches=steps_m, share=share,
                   inputs=t, head_positions=w, insert=wi, resident=resident,
                   # what a decode step must read in this layout: a group's share of the weights
                   # (all of them under FSDP, gathered at every step) and the KV window
-                  decode_floor=weight_bytes(mcfg, item) * shards / n + kv_bytes(mcfg, rows, window, item) / n,
+                  decode_floor=floor(mcfg), decode_split=decode_split(few, mcfg, floor),
                   decode_peak=m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
                   - m.alias_size_in_bytes + resident,
                   # per device, from the compiled state's shards (KV heads split over a group, buffers not)
                   decode_state_per_row=device_bytes(sampler_state) / per_group,
                   kv_per_row=device_bytes((kv.k, kv.v)) / per_group * window / kv.max_length)
-    shapes["decode_split"] = decode_split(few, mcfg, rows, window, item, shards / n, n)
     return calls, shapes
 
 
@@ -319,15 +317,19 @@ def decode_count(graphdef, params, state, stop_table, eos_ids, cfg, window: int)
     return {k: two[k] - one[k] for k in one}
 
 
-def decode_split(few: dict[int, float], c: Qwen2Config, rows: int, window: int, item: int, weight_share: float,
-                 n: int) -> dict[str, float]:
+def decode_floor(c: Qwen2Config, rows: int, window: int, item: int, weight_share: float, n: int) -> float:
+    """What a decode step must read per device: its `weight_share` of the weights and its share
+    of the KV window (the window's rows and KV heads split over all `n` devices)."""
+    return weight_bytes(c, item) * weight_share + kv_bytes(c, rows, window, item) / n
+
+
+def decode_split(few: dict[int, float], c: Qwen2Config, floor) -> dict[str, float]:
     """A decode step's bytes per layer and for the rest (embedding, final norm, LM head, sampling)
-    from its counts with 2 and 4 layers, each beside the layout's floor for it."""
+    from its counts with 2 and 4 layers, each beside its part of `floor(config)`."""
     per_layer = (few[4] - few[2]) / 2
-    head = weight_bytes(dataclasses.replace(c, num_layers=0), item)
-    return dict(per_layer=per_layer, per_layer_floor=(weight_bytes(c, item) - head) / c.num_layers * weight_share
-                + kv_bytes(dataclasses.replace(c, num_layers=1), rows, window, item) / n,
-                rest=few[2] - 2 * per_layer, rest_floor=head * weight_share)
+    rest_floor = floor(dataclasses.replace(c, num_layers=0))
+    return dict(per_layer=per_layer, per_layer_floor=floor(dataclasses.replace(c, num_layers=1)) - rest_floor,
+                rest=few[2] - 2 * per_layer, rest_floor=rest_floor)
 
 
 # -- the report -------------------------------------------------------------------------------
