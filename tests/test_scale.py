@@ -145,3 +145,45 @@ def test_tpu_pod_script_dry_run():
     assert _pod("mount").returncode == 2  # no BUCKET
     assert _pod("launch").returncode == 2
     assert _pod("nonsense").returncode == 2
+
+
+KERNEL_COMPILE = r"""
+import json, sys
+import jax, jax.numpy as jnp, numpy as np
+from jax.experimental import topologies
+from jax.sharding import Mesh, NamedSharding
+from sem_jax.model.cache_attention import cache_attention
+from sem_jax.model.qwen2 import CACHE_AXES
+from sem_jax.sharding import MESH_AXES, AXIS_TYPES, logical_to_spec
+devices = topologies.get_topology_desc(platform="tpu", topology_name="v4:2x2x1").devices
+mesh = Mesh(np.array(devices).reshape(-1, 1, 2), MESH_AXES, axis_types=AXIS_TYPES)
+L, B, S, K, D, G, W = 2, 8, 256, 2, 128, 7, 192
+def arg(shape, dtype, names):
+    return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, logical_to_spec(names, shape, dict(mesh.shape))))
+with jax.set_mesh(mesh):
+    args = (arg((B, K, G, D), jnp.bfloat16, ("batch", "act_kv_heads", None, None)),
+            arg((L, B, S, K, D), jnp.bfloat16, CACHE_AXES), arg((L, B, S, K, D), jnp.bfloat16, CACHE_AXES),
+            arg((), jnp.int32, ()), arg((B,), jnp.int32, ("batch",)))
+    fn = jax.jit(lambda q, k, v, i, n: cache_attention(q, k, v, i, n, W, CACHE_AXES))
+    compiled = fn.lower(*args).compile()
+cost = compiled.cost_analysis()
+cost = cost[0] if isinstance(cost, list) else cost
+print(json.dumps({"bytes": cost["bytes accessed"], "rows": B // mesh.shape["data"],
+                  "hlo_has_kernel": "tpu_custom_call" in compiled.as_text()}))
+"""
+
+
+def test_kernel_compiles_for_tpu_and_reads_the_cache_in_place():
+    """(Here, beside the other libtpu compiles: one process at a time holds libtpu's lockfile.)
+    Mosaic compiles the kernel for a v4 topology inside shard_map (rows over data, one KV head
+    per device), and XLA hands it the cache as stored: a layout the kernel could not read in place
+    would make XLA copy both caches first (bytes > both local caches whole)."""
+    pytest.importorskip("libtpu", reason="jax[tpu] (libtpu) not installed: the compile-only TPU check is skipped")
+    run = subprocess.run([sys.executable, "-c", KERNEL_COMPILE], capture_output=True, text=True, timeout=600,
+                         cwd=REPO, env=dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=""))
+    assert run.returncode == 0, run.stderr[-3000:]
+    got = json.loads(run.stdout.strip().splitlines()[-1])
+    assert got["hlo_has_kernel"]
+    window_bytes = 2 * got["rows"] * 192 * 128 * 2  # one layer's keys and values, per device
+    caches = 2 * 2 * got["rows"] * 256 * 128 * 2  # both caches whole: what a copy would read
+    assert window_bytes <= got["bytes"] < caches, got

@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from sem_jax.model import cache_attention
 from sem_jax.model.config import Qwen2Config
 from sem_jax.sharding import constrain
 
@@ -33,6 +34,7 @@ LAYER_PARAMS: dict[str, tuple[tuple[str, ...], str]] = {
     "down_kernel": (("layers", "mlp", "embed"), "normal"),
 }
 
+CACHE_KERNELS = ("auto", "pallas", "interpret", "xla")
 KERNELS = ("q_kernel", "k_kernel", "v_kernel", "o_kernel", "gate_kernel", "up_kernel", "down_kernel")
 
 
@@ -206,10 +208,17 @@ class Qwen2(nnx.Module):
     """Qwen2 causal LM. `model(tokens [B, T]) -> logits [B, T, V]` (float32)."""
 
     def __init__(self, config: Qwen2Config, *, rngs: nnx.Rngs, param_dtype: Any = jnp.float32,
-                 dtype: Any = jnp.float32, remat: str = "none", scan_unroll: int = 1):
+                 dtype: Any = jnp.float32, remat: str = "none", scan_unroll: int = 1,
+                 cache_kernel: str = "auto"):
         if remat not in REMAT_POLICIES:
             raise ValueError(f"remat={remat!r}; choose one of {sorted(REMAT_POLICIES)}")
+        if cache_kernel not in CACHE_KERNELS:
+            raise ValueError(f"cache_kernel={cache_kernel!r}; choose one of {CACHE_KERNELS}")
         self.config = config
+        # How a stacked cache's window is attended to: "pallas" (`cache_attention`'s kernel),
+        # "interpret" (the same kernel interpreted, on any backend: tests), "xla" (`attention`),
+        # "auto" (the kernel where it compiles for TPUs and applies, else XLA).
+        self.cache_kernel = cache_kernel
         # Layers per iteration of the layer scans. XLA's cost analysis counts a loop's body once,
         # so `sem_jax.roofline` compiles 1 and 2 and takes one layer's cost as the difference.
         self.scan_unroll = scan_unroll
@@ -366,9 +375,15 @@ class Qwen2(nnx.Module):
         window = min(cache.max_length if window is None else window, cache.max_length)
         cache_mask = jnp.arange(window, dtype=jnp.int32)[None, :] < cache.lengths[:, None]  # past a row's length: stale
         x, cos, sin = self._embed(tokens, positions)
+        kernel = self._cache_kernel(cache) if window else None
 
         def layer(x, xs):
             p, kc, vc = xs
+            if kernel:  # kc is this layer's index: the kernel reads the whole cache in place
+                attend = lambda q, k, v: (cache_attention.attend_cache(
+                    q, k, v, mask, cache.k, cache.v, kc, cache.lengths, window, CACHE_AXES,
+                    interpret=kernel == "interpret"), (k, v))
+                return self._block(x, p, cos, sin, attend)
             read = None if kc is None else (kc.astype(self.dtype), vc.astype(self.dtype), cache_mask)
             return self._block(x, p, cos, sin, lambda q, k, v: (attention(q, k, v, mask, read), (k, v)))
 
@@ -376,6 +391,8 @@ class Qwen2(nnx.Module):
         # Only the window is read: decode cost grows with the text, not with the cache
         # preallocated for the whole response budget.
         kv_in = (cache.k[:, :, :window], cache.v[:, :, :window]) if window else (None, None)
+        if kernel:
+            kv_in = (jnp.arange(self.config.num_layers, dtype=jnp.int32), None)
         x, (k_new, v_new) = jax.lax.scan(self._remat(layer), x, (self._stacked(), *kv_in), unroll=self.scan_unroll)
         # Written layer by layer after the scan, each layer's slab of the cache in place. (One
         # scatter for all layers wants the layers beside head_dim in memory, the scan wants them
@@ -426,6 +443,23 @@ class Qwen2(nnx.Module):
         x = self.embed[...].astype(self.dtype)[tokens]
         x = constrain(x, ("batch", "length", "act_embed"))
         return (x, *rope_tables(positions, self.config.head_dim, self.config.rope_theta))
+
+    def _cache_kernel(self, cache: KVCache) -> str | None:
+        """The kernel mode for a decode's or an insert's attention to a stacked cache, None for XLA's
+        `attention`. The kernel wants the cache in the compute dtype and one KV head per device (a
+        device with several stores them interleaved, and the kernel's view of one of them would be
+        a copy); "auto" also wants whole 128-lane heads."""
+        c = self.config
+        applies = (cache.k.dtype == jnp.dtype(self.dtype)
+                   and cache_attention.local_kv_heads(c.num_kv_heads) == 1)
+        auto = applies and c.head_dim % 128 == 0 and cache_attention.on_tpu()
+        if self.cache_kernel == "xla" or (self.cache_kernel == "auto" and not auto):
+            return None
+        if not applies:
+            raise ValueError(f"cache_kernel={self.cache_kernel!r} needs a {jnp.dtype(self.dtype).name} cache "
+                             f"(have {cache.k.dtype}) and one KV head per device (have "
+                             f"{cache_attention.local_kv_heads(c.num_kv_heads)} of {c.num_kv_heads})")
+        return self.cache_kernel
 
     def _stacked(self) -> dict[str, jax.Array]:
         return {name: p[...] for name, p in self.layers.items()}
