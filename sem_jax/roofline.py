@@ -22,7 +22,7 @@ calls on the sampler's mesh (`rollout.tensor`) and the trainer's on the training
   The TPU compiler's windowed einsums (loops of its own) and its staging in v4's CMEM (counted
   beside the HBM traffic) are turned off (`TPU_ANALYSIS_FLAGS`). Memory figures come from the
   programs as they run (loops rolled). XLA cannot see into a Pallas kernel (the decode step's
-  `cache_attention`): it counts the kernel's own estimate, the blocks its grid fetches, an upper
+  and the insert's `cache_attention`): it counts the kernel's own estimate, the blocks its grid fetches, an upper
   bound (a block past the longest row of its rows is not fetched).
 - the ideal: the model's FLOPs (2 per weight per token, causal attention, the head where it runs;
   3x for the update, plus what the remat policy recomputes) and the bytes that must move (the

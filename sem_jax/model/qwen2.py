@@ -390,9 +390,10 @@ class Qwen2(nnx.Module):
         rows = jnp.arange(b)[:, None]
         # Only the window is read: decode cost grows with the text, not with the cache
         # preallocated for the whole response budget.
-        kv_in = (cache.k[:, :, :window], cache.v[:, :, :window]) if window else (None, None)
         if kernel:
             kv_in = (jnp.arange(self.config.num_layers, dtype=jnp.int32), None)
+        else:
+            kv_in = (cache.k[:, :, :window], cache.v[:, :, :window]) if window else (None, None)
         x, (k_new, v_new) = jax.lax.scan(self._remat(layer), x, (self._stacked(), *kv_in), unroll=self.scan_unroll)
         # Written layer by layer after the scan, each layer's slab of the cache in place. (One
         # scatter for all layers wants the layers beside head_dim in memory, the scan wants them
