@@ -176,7 +176,8 @@ def build_policy(config: ConfigDict, texts: Callable[[], list[str]] | None, run_
     dtype, compute = jnp.dtype(m.dtype), jnp.dtype(m.compute_dtype)
     if m.path:
         tokenizer = load_tokenizer(m.tokenizer or m.path)
-        model = from_pretrained(m.path, dtype=dtype, compute_dtype=compute, remat=m.remat, mesh=mesh)
+        model = from_pretrained(m.path, dtype=dtype, compute_dtype=compute, remat=m.remat, mesh=mesh,
+                                kernels=m.kernels)
         return model, tokenizer
     tok_dir = os.path.join(run_dir, "tokenizer")
     if os.path.exists(os.path.join(tok_dir, "tokenizer.json")):  # resumed run: the same tokenizer
@@ -188,7 +189,7 @@ def build_policy(config: ConfigDict, texts: Callable[[], list[str]] | None, run_
         if jax.process_index() == 0:
             tokenizer.save_pretrained(tok_dir)
     model = Qwen2(init_model_config(config, tokenizer), rngs=nnx.Rngs(config.seed), param_dtype=dtype,
-                  dtype=compute, remat=m.remat)
+                  dtype=compute, remat=m.remat, cache_kernel=m.kernels, attention_kernel=m.kernels)
     return model, tokenizer
 
 

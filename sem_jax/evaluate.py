@@ -144,7 +144,8 @@ def load_policy(config, checkpoint: str | None, step: int | None, hf: str | None
 
     dtype = jnp.dtype(eval_dtype(config))
     if hf:
-        return from_pretrained(hf, dtype=dtype, compute_dtype=jnp.dtype(config.model.compute_dtype), mesh=mesh), \
+        return from_pretrained(hf, dtype=dtype, compute_dtype=jnp.dtype(config.model.compute_dtype), mesh=mesh,
+                               kernels=config.model.kernels), \
             load_tokenizer(hf)
     if not checkpoint:
         raise app.UsageError("give --checkpoint RUN/ckpt or --hf DIR")

@@ -21,9 +21,11 @@ calls on the sampler's mesh (`rollout.tensor`) and the trainer's on the training
   counted so, copied every layer's KV window at each step: 3.8x the program unrolled whole).
   The TPU compiler's windowed einsums (loops of its own) and its staging in v4's CMEM (counted
   beside the HBM traffic) are turned off (`TPU_ANALYSIS_FLAGS`). Memory figures come from the
-  programs as they run (loops rolled). XLA cannot see into a Pallas kernel (the decode step's
-  and the insert's `cache_attention`): it counts the kernel's own estimate, the blocks its grid fetches, an upper
-  bound (a block past the longest row of its rows is not fetched).
+  programs as they run (loops rolled). XLA cannot see into a Pallas kernel: for the decode
+  step's and the insert's `cache_attention` it counts the kernel's own estimate, the blocks its
+  grid fetches, an upper bound (a block past the longest row of its rows is not fetched); for the
+  splash kernels of `flash_attention` (the prefill, the reference pass, the update) it counts
+  nothing, and `aot.cost` adds their estimate (`flash_attention.hlo_cost`).
 - the ideal: the model's FLOPs (2 per weight per token, causal attention, the head where it runs;
   3x for the update, plus what the remat policy recomputes) and the bytes that must move (the
   weights once in the compute dtype, the KV window read, this call's keys and values written),
@@ -49,7 +51,7 @@ import jax.numpy as jnp
 from flax import nnx
 from ml_collections import ConfigDict
 
-from sem_jax.aot import abstract_model, device_bytes, narrower, rows_on, trainer_bytes
+from sem_jax.aot import abstract_model, cost, device_bytes, narrower, rows_on, trainer_bytes
 from sem_jax.assemble import build_mesh, build_rollout_mesh, build_trainer, inserted_tokens, micro_batch, settings
 from sem_jax.hosts import batch_shards
 from sem_jax.model import Qwen2Config
@@ -109,12 +111,6 @@ class Call:
 
     def seconds(self, chip: Chip) -> float:
         return max(self.flops / chip.flops, self.bytes / chip.hbm)
-
-
-def cost(compiled) -> dict[str, float]:
-    c = compiled.cost_analysis()
-    c = (c[0] if isinstance(c, (list, tuple)) else c) or {}
-    return {"flops": float(c.get("flops", 0.0)), "bytes": float(c.get("bytes accessed", 0.0))}
 
 
 def counted(lower, loops: dict[str, int]) -> dict[str, float]:

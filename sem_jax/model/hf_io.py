@@ -132,17 +132,18 @@ def read_config(path: str) -> Qwen2Config:
 
 
 def from_pretrained(path: str, *, dtype: Any = jnp.float32, compute_dtype: Any = None,
-                    mesh: Mesh | None = None, remat: str = "none") -> Qwen2:
+                    mesh: Mesh | None = None, remat: str = "none", kernels: str = "auto") -> Qwen2:
     """Load a local Hugging Face Qwen2 directory as a sem_jax `Qwen2`.
 
     `dtype` is the parameter dtype, `compute_dtype` the activation dtype (defaults
-    to `dtype`). With `mesh`, each parameter is placed straight into its sharding
-    from the rules table while streaming.
+    to `dtype`); `kernels` both of `Qwen2`'s kernel modes. With `mesh`, each parameter is
+    placed straight into its sharding from the rules table while streaming.
     """
     cfg = read_config(path)
     ckpt = _Checkpoint(path)
     model = nnx.eval_shape(lambda: Qwen2(cfg, rngs=nnx.Rngs(0), param_dtype=dtype,
-                                         dtype=compute_dtype or dtype, remat=remat))
+                                         dtype=compute_dtype or dtype, remat=remat, cache_kernel=kernels,
+                                         attention_kernel=kernels))
     by_param: dict[str, list] = {}
     for hf, name, layer, layout, shape in hf_tensors(cfg):
         by_param.setdefault(name, []).append((hf, layer, layout, shape))

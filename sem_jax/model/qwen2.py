@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from sem_jax.model import cache_attention
+from sem_jax.model import cache_attention, flash_attention
 from sem_jax.model.config import Qwen2Config
 from sem_jax.sharding import constrain
 
@@ -34,7 +34,7 @@ LAYER_PARAMS: dict[str, tuple[tuple[str, ...], str]] = {
     "down_kernel": (("layers", "mlp", "embed"), "normal"),
 }
 
-CACHE_KERNELS = ("auto", "pallas", "interpret", "xla")
+KERNEL_MODES = ("auto", "pallas", "interpret", "xla")
 KERNELS = ("q_kernel", "k_kernel", "v_kernel", "o_kernel", "gate_kernel", "up_kernel", "down_kernel")
 
 
@@ -209,16 +209,20 @@ class Qwen2(nnx.Module):
 
     def __init__(self, config: Qwen2Config, *, rngs: nnx.Rngs, param_dtype: Any = jnp.float32,
                  dtype: Any = jnp.float32, remat: str = "none", scan_unroll: int = 1,
-                 cache_kernel: str = "auto"):
+                 cache_kernel: str = "auto", attention_kernel: str = "auto"):
         if remat not in REMAT_POLICIES:
             raise ValueError(f"remat={remat!r}; choose one of {sorted(REMAT_POLICIES)}")
-        if cache_kernel not in CACHE_KERNELS:
-            raise ValueError(f"cache_kernel={cache_kernel!r}; choose one of {CACHE_KERNELS}")
+        for name, mode in (("cache_kernel", cache_kernel), ("attention_kernel", attention_kernel)):
+            if mode not in KERNEL_MODES:
+                raise ValueError(f"{name}={mode!r}; choose one of {KERNEL_MODES}")
         self.config = config
-        # How a stacked cache's window is attended to: "pallas" (`cache_attention`'s kernel),
-        # "interpret" (the same kernel interpreted, on any backend: tests), "xla" (`attention`),
-        # "auto" (the kernel where it compiles for TPUs and applies, else XLA).
+        # How a stacked cache's window is attended to (`cache_kernel`) and a sequence to itself
+        # without a cache (`attention_kernel`: the training forward, a prefill): "pallas" (the
+        # kernels of `cache_attention` and `flash_attention`), "interpret" (the same kernels
+        # interpreted, on any backend: tests), "xla" (`attention`), "auto" (the kernel where it
+        # compiles for TPUs and applies, else XLA).
         self.cache_kernel = cache_kernel
+        self.attention_kernel = attention_kernel
         # Layers per iteration of the layer scans. XLA's cost analysis counts a loop's body once,
         # so `sem_jax.roofline` compiles 1 and 2 and takes one layer's cost as the difference.
         self.scan_unroll = scan_unroll
@@ -351,9 +355,10 @@ class Qwen2(nnx.Module):
             positions = jnp.maximum(jnp.cumsum(key_ok, axis=-1, dtype=jnp.int32) - 1, 0)
             mask = causal & key_ok[:, None, :]
         x, cos, sin = self._embed(tokens, positions)
+        attend = self._self_attention(t, mask, segment_ids if segment_ids is not None else attention_mask)
 
         def layer(x, p):
-            return self._block(x, p, cos, sin, lambda q, k, v: (attention(q, k, v, mask), None))
+            return self._block(x, p, cos, sin, lambda q, k, v: (attend(q, k, v), None))
 
         layer = self._remat(layer)
         if layers is not None:
@@ -376,16 +381,20 @@ class Qwen2(nnx.Module):
         cache_mask = jnp.arange(window, dtype=jnp.int32)[None, :] < cache.lengths[:, None]  # past a row's length: stale
         x, cos, sin = self._embed(tokens, positions)
         kernel = self._cache_kernel(cache) if window else None
+        own = None if window else self._self_attention(t, mask, None)  # a prefill: no cache read
 
         def layer(x, xs):
             p, kc, vc = xs
-            if kernel:  # kc is this layer's index: the kernel reads the whole cache in place
+            if own is not None:
+                attend = lambda q, k, v: (own(q, k, v), (k, v))
+            elif kernel:  # kc is this layer's index: the kernel reads the whole cache in place
                 attend = lambda q, k, v: (cache_attention.attend_cache(
                     q, k, v, mask, cache.k, cache.v, kc, cache.lengths, window, CACHE_AXES,
                     interpret=kernel == "interpret"), (k, v))
-                return self._block(x, p, cos, sin, attend)
-            read = None if kc is None else (kc.astype(self.dtype), vc.astype(self.dtype), cache_mask)
-            return self._block(x, p, cos, sin, lambda q, k, v: (attention(q, k, v, mask, read), (k, v)))
+            else:
+                read = (kc.astype(self.dtype), vc.astype(self.dtype), cache_mask)
+                attend = lambda q, k, v: (attention(q, k, v, mask, read), (k, v))
+            return self._block(x, p, cos, sin, attend)
 
         rows = jnp.arange(b)[:, None]
         # Only the window is read: decode cost grows with the text, not with the cache
@@ -461,6 +470,23 @@ class Qwen2(nnx.Module):
                              f"(have {cache.k.dtype}) and one KV head per device (have "
                              f"{cache_attention.local_kv_heads(c.num_kv_heads)} of {c.num_kv_heads})")
         return self.cache_kernel
+
+    def _self_attention(self, t: int, mask: jax.Array, segment_ids: jax.Array | None):
+        """`attend(q, k, v)` for `t` tokens attending causally to themselves, without a cache:
+        `flash_attention`'s kernels where `attention_kernel` picks them (they take the mask as
+        causal within `segment_ids`: a padded row's 0/1 attention mask, or packed rows' ids;
+        they differ from `mask` only at padding, whose outputs nothing reads), else XLA's
+        `attention` with `mask` [B, T, T]."""
+        c = self.config
+        applies = flash_attention.applies(t, c.num_heads, c.num_kv_heads, c.head_dim)
+        mode = self.attention_kernel
+        if mode == "xla" or (mode == "auto" and not (applies and cache_attention.on_tpu())):
+            return lambda q, k, v: attention(q, k, v, mask)
+        if not applies:
+            raise ValueError(f"attention_kernel={mode!r} needs whole blocks of {flash_attention.BLOCKS[-1]} tokens "
+                             f"(have {t}), head_dim % 128 == 0 (have {c.head_dim}) and the query and KV heads "
+                             f"split alike over the mesh ({c.num_heads} and {c.num_kv_heads} heads)")
+        return lambda q, k, v: flash_attention.flash_attention(q, k, v, segment_ids, interpret=mode == "interpret")
 
     def _stacked(self) -> dict[str, jax.Array]:
         return {name: p[...] for name, p in self.layers.items()}
