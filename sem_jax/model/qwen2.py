@@ -125,12 +125,17 @@ def param_shapes(cfg: Qwen2Config) -> dict[str, tuple[tuple[int, ...], tuple[str
     return out
 
 
-def _dense(x2: jax.Array, p: dict[str, jax.Array], name: str, hidden: int) -> jax.Array:
-    """A projection as a 2-D matmul over (batch * length): XLA's dot (and its transpose in the
-    backward pass) is far faster than with two batch-like dims."""
+def _dense(x: jax.Array, p: dict[str, jax.Array], name: str) -> jax.Array:
+    """A projection of x [N, *in] (the kernel's input dims) as one matmul over the N = batch *
+    length rows (XLA's dot, and its transpose in the backward pass, is far faster than with two
+    batch-like dims): [N, *out], or [N, prod(out)] from an [out, in] kernel. The kernel's dims
+    are contracted as stored: reshaped to 2-D, a [E, H, D] kernel with H per device not a
+    multiple of 8 (TPU tiles pad it) was copied at every decode step."""
     if name + "_t" in p:  # [out, in] (layer_list(transposed=True))
-        return jax.lax.dot_general(x2, p[name + "_t"], (((1,), (1,)), ((), ())))
-    return jnp.dot(x2, kernel_matrix(name, p[name], hidden))
+        return jax.lax.dot_general(x.reshape(x.shape[0], -1), p[name + "_t"], (((1,), (1,)), ((), ())))
+    w = p[name]
+    k = x.ndim - 1
+    return jax.lax.dot_general(x, w, ((tuple(range(1, x.ndim)), tuple(range(k))), ((), ())))
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
@@ -503,19 +508,18 @@ class Qwen2(nnx.Module):
         p = jax.tree.map(lambda a: a.astype(self.dtype), p)
         b, t, e = x.shape
         h = rms_norm(x, p["input_norm"], c.rms_norm_eps).reshape(b * t, e)
-        q = _dense(h, p, "q_kernel", e).reshape(b, t, c.num_heads, c.head_dim) + p["q_bias"]
-        k = _dense(h, p, "k_kernel", e).reshape(b, t, c.num_kv_heads, c.head_dim) + p["k_bias"]
-        v = _dense(h, p, "v_kernel", e).reshape(b, t, c.num_kv_heads, c.head_dim) + p["v_bias"]
+        q = _dense(h, p, "q_kernel").reshape(b, t, c.num_heads, c.head_dim) + p["q_bias"]
+        k = _dense(h, p, "k_kernel").reshape(b, t, c.num_kv_heads, c.head_dim) + p["k_bias"]
+        v = _dense(h, p, "v_kernel").reshape(b, t, c.num_kv_heads, c.head_dim) + p["v_bias"]
         q = constrain(apply_rope(q, cos, sin), ("batch", "length", "act_heads", "head_dim"))
         k = constrain(apply_rope(k, cos, sin), ("batch", "length", "act_kv_heads", "head_dim"))
         v = constrain(v, ("batch", "length", "act_kv_heads", "head_dim"))
         out, carry = attend(q, k, v)
-        out = out.reshape(b * t, c.num_heads * c.head_dim)
-        x = x + _dense(out, p, "o_kernel", e).reshape(b, t, e)
+        x = x + _dense(out.reshape(b * t, c.num_heads, c.head_dim), p, "o_kernel").reshape(b, t, e)
         h = rms_norm(x, p["post_norm"], c.rms_norm_eps).reshape(b * t, e)
-        act = jax.nn.silu(_dense(h, p, "gate_kernel", e)) * _dense(h, p, "up_kernel", e)
+        act = jax.nn.silu(_dense(h, p, "gate_kernel")) * _dense(h, p, "up_kernel")
         act = constrain(act.reshape(b, t, -1), ("batch", "length", "act_mlp"))
-        x = x + _dense(act.reshape(b * t, -1), p, "down_kernel", e).reshape(b, t, e)
+        x = x + _dense(act.reshape(b * t, -1), p, "down_kernel").reshape(b, t, e)
         return constrain(x, ("batch", "length", "act_embed")), carry
 
     def _finish(self, x, cache: KVCache, k, v, t: int, num_new: jax.Array | None) -> tuple[jax.Array, KVCache]:
