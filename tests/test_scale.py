@@ -147,6 +147,14 @@ def test_tpu_pod_script_dry_run():
     assert _pod("nonsense").returncode == 2
 
 
+def _tpu_script(code: str) -> dict:
+    """Run `code` (a compile for a TPU topology) in a process of its own; its last line of output, as JSON."""
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
+                         cwd=REPO, env=dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=""))
+    assert run.returncode == 0, run.stderr[-3000:]
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
 KERNEL_COMPILE = r"""
 import json, sys
 import jax, jax.numpy as jnp, numpy as np
@@ -179,10 +187,7 @@ def test_kernel_compiles_for_tpu_and_reads_the_cache_in_place():
     per device), and XLA hands it the cache as stored: a layout the kernel could not read in place
     would make XLA copy both caches first (bytes > both local caches whole)."""
     pytest.importorskip("libtpu", reason="jax[tpu] (libtpu) not installed: the compile-only TPU check is skipped")
-    run = subprocess.run([sys.executable, "-c", KERNEL_COMPILE], capture_output=True, text=True, timeout=600,
-                         cwd=REPO, env=dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=""))
-    assert run.returncode == 0, run.stderr[-3000:]
-    got = json.loads(run.stdout.strip().splitlines()[-1])
+    got = _tpu_script(KERNEL_COMPILE)
     assert got["hlo_has_kernel"]
     window_bytes = 2 * got["rows"] * 192 * 128 * 2  # one layer's keys and values, per device
     caches = 2 * 2 * got["rows"] * 256 * 128 * 2  # both caches whole: what a copy would read
@@ -228,10 +233,7 @@ def test_flash_kernels_compile_for_tpu_and_the_roofline_counts_them():
     query head, 2 matmuls in the forward, 3 in dq, 4 in dkv. The kernels move fewer bytes than
     XLA's attention, which writes the scores."""
     pytest.importorskip("libtpu", reason="jax[tpu] (libtpu) not installed: the compile-only TPU check is skipped")
-    run = subprocess.run([sys.executable, "-c", FLASH_COMPILE], capture_output=True, text=True, timeout=600,
-                         cwd=REPO, env=dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=""))
-    assert run.returncode == 0, run.stderr[-3000:]
-    got = json.loads(run.stdout.strip().splitlines()[-1])
+    got = _tpu_script(FLASH_COMPILE)
     kernel, xla = got["auto"], got["xla"]
     assert kernel["kernels"] == 3 and xla["kernels"] == 0
     heads = kernel["rows"] * kernel["heads"]
@@ -263,10 +265,7 @@ def test_projections_read_their_kernels_in_place_on_tpu():
     kernel [E, 7, 128] is contracted as stored; reshaped to [E, 896] first, the TPU compiler
     copied it (its (8, 128) tiles pad 7 heads to 8), 2.8x the bytes."""
     pytest.importorskip("libtpu", reason="jax[tpu] (libtpu) not installed: the compile-only TPU check is skipped")
-    run = subprocess.run([sys.executable, "-c", DENSE_COMPILE], capture_output=True, text=True, timeout=600,
-                         cwd=REPO, env=dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=""))
-    assert run.returncode == 0, run.stderr[-3000:]
-    got = json.loads(run.stdout.strip().splitlines()[-1])
+    got = _tpu_script(DENSE_COMPILE)
     # the kernel read once (padded to 8 heads in its tiles), the activations in and out
     weight, io = 3584 * 8 * 128 * 2, 2 * 80 * (3584 + 8 * 128) * 2
     for name, nbytes in got.items():

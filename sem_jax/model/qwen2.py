@@ -129,13 +129,22 @@ def _dense(x: jax.Array, p: dict[str, jax.Array], name: str) -> jax.Array:
     """A projection of x [N, *in] (the kernel's input dims) as one matmul over the N = batch *
     length rows (XLA's dot, and its transpose in the backward pass, is far faster than with two
     batch-like dims): [N, *out], or [N, prod(out)] from an [out, in] kernel. The kernel's dims
-    are contracted as stored: reshaped to 2-D, a [E, H, D] kernel with H per device not a
-    multiple of 8 (TPU tiles pad it) was copied at every decode step."""
+    are contracted as stored: reshaped to 2-D first, a [E, H, D] kernel with H per device not a
+    multiple of 8 (TPU tiles pad it) is copied (the decode loop held a copy of every layer's)."""
     if name + "_t" in p:  # [out, in] (layer_list(transposed=True))
         return jax.lax.dot_general(x.reshape(x.shape[0], -1), p[name + "_t"], (((1,), (1,)), ((), ())))
-    w = p[name]
-    k = x.ndim - 1
-    return jax.lax.dot_general(x, w, ((tuple(range(1, x.ndim)), tuple(range(k))), ((), ())))
+    return jax.lax.dot_general(x, p[name], ((tuple(range(1, x.ndim)), tuple(range(x.ndim - 1))), ((), ())))
+
+
+def _kernel_choice(name: str, mode: str, applies: bool, auto: bool, needs: str) -> str | None:
+    """A kernel mode (`name`'s `mode`) resolved for one call: None for XLA's `attention` ("xla",
+    or "auto" where `auto` does not hold), else the mode; a kernel asked for where it cannot
+    apply is refused, saying what it `needs`."""
+    if mode == "xla" or (mode == "auto" and not auto):
+        return None
+    if not applies:
+        raise ValueError(f"{name}={mode!r} needs {needs}")
+    return mode
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
@@ -468,13 +477,9 @@ class Qwen2(nnx.Module):
         applies = (cache.k.dtype == jnp.dtype(self.dtype)
                    and cache_attention.local_kv_heads(c.num_kv_heads) == 1)
         auto = applies and c.head_dim % 128 == 0 and cache_attention.on_tpu()
-        if self.cache_kernel == "xla" or (self.cache_kernel == "auto" and not auto):
-            return None
-        if not applies:
-            raise ValueError(f"cache_kernel={self.cache_kernel!r} needs a {jnp.dtype(self.dtype).name} cache "
-                             f"(have {cache.k.dtype}) and one KV head per device (have "
-                             f"{cache_attention.local_kv_heads(c.num_kv_heads)} of {c.num_kv_heads})")
-        return self.cache_kernel
+        return _kernel_choice("cache_kernel", self.cache_kernel, applies, auto,
+                              f"a {jnp.dtype(self.dtype).name} cache (have {cache.k.dtype}) and one KV head per "
+                              f"device (have {cache_attention.local_kv_heads(c.num_kv_heads)} of {c.num_kv_heads})")
 
     def _self_attention(self, t: int, mask: jax.Array, segment_ids: jax.Array | None):
         """`attend(q, k, v)` for `t` tokens attending causally to themselves, without a cache:
@@ -484,13 +489,12 @@ class Qwen2(nnx.Module):
         `attention` with `mask` [B, T, T]."""
         c = self.config
         applies = flash_attention.applies(t, c.num_heads, c.num_kv_heads, c.head_dim)
-        mode = self.attention_kernel
-        if mode == "xla" or (mode == "auto" and not (applies and cache_attention.on_tpu())):
+        mode = _kernel_choice("attention_kernel", self.attention_kernel, applies, applies and cache_attention.on_tpu(),
+                              f"whole blocks of {flash_attention.BLOCKS[-1]} tokens (have {t}), head_dim % 128 == 0 "
+                              f"(have {c.head_dim}) and the query and KV heads split alike over the mesh "
+                              f"({c.num_heads} and {c.num_kv_heads} heads)")
+        if mode is None:
             return lambda q, k, v: attention(q, k, v, mask)
-        if not applies:
-            raise ValueError(f"attention_kernel={mode!r} needs whole blocks of {flash_attention.BLOCKS[-1]} tokens "
-                             f"(have {t}), head_dim % 128 == 0 (have {c.head_dim}) and the query and KV heads "
-                             f"split alike over the mesh ({c.num_heads} and {c.num_kv_heads} heads)")
         return lambda q, k, v: flash_attention.flash_attention(q, k, v, segment_ids, interpret=mode == "interpret")
 
     def _stacked(self) -> dict[str, jax.Array]:
