@@ -31,6 +31,7 @@ from flax import nnx
 from ml_collections import ConfigDict, config_flags
 
 from sem_jax.assemble import build_mesh, build_rollout_mesh, build_trainer, inserted_tokens, settings
+from sem_jax.collectives import ici_bytes
 from sem_jax.config import eval_dtype, parse_flags
 from sem_jax.model import Qwen2, Qwen2Config, flash_attention
 from sem_jax.model.hf_io import read_config
@@ -154,12 +155,13 @@ def _compile(name: str, lowered) -> tuple[Row, object | None]:
 
 def cost(compiled) -> dict[str, float]:
     """XLA's FLOPs and bytes of a compiled program, with the splash kernels' own estimates (XLA
-    counts none for them)."""
+    counts none for them), and the bytes each device sends in its collectives (`ici`)."""
     c = compiled.cost_analysis()
     c = (c[0] if isinstance(c, (list, tuple)) else c) or {}
-    kernels = flash_attention.hlo_cost(compiled.as_text())
+    text = compiled.as_text()
+    kernels = flash_attention.hlo_cost(text)
     return {"flops": float(c.get("flops", 0.0)) + kernels["flops"],
-            "bytes": float(c.get("bytes accessed", 0.0)) + kernels["bytes"]}
+            "bytes": float(c.get("bytes accessed", 0.0)) + kernels["bytes"], "ici": ici_bytes(text)}
 
 
 def _row(name: str, compiled) -> Row:

@@ -31,8 +31,11 @@ calls on the sampler's mesh (`rollout.tensor`) and the trainer's on the training
   weights once in the compute dtype, the KV window read, this call's keys and values written),
   divided evenly over the devices (a layout that keeps whole weights in each group of T devices
   reads at least 1/T of them on each device: `decode_floor`).
-- the predicted time per call on each chip of CHIPS: the larger of FLOPs / peak and bytes /
-  bandwidth (each chip's time for the target's per-device program), and from them the step: one
+- the interconnect: the bytes each device sends in the program's collectives, as a ring sends
+  them (`sem_jax.collectives`), counted across loops as the FLOPs are.
+- the predicted time per call on each chip of CHIPS: the largest of FLOPs / peak, bytes / HBM
+  bandwidth and bytes sent / ICI bandwidth, the others overlapped (each chip's time for the
+  target's per-device program), and from them the step: one
   prefill, `max_new_tokens` decode steps at the full window, `max_searches` inserts, and a
   reference pass and an update per micro-batch (an upper bound for the rollout: every row
   sampling its whole budget).
@@ -85,16 +88,20 @@ def set_analysis_flags() -> None:
 class Chip:
     flops: float  # dense bf16 FLOP/s per device
     hbm: float    # HBM bytes/s per device
+    ici: float    # bytes/s one device sends into a collective (one direction of its links)
 
 
-# Per device as jax sees it: a chip (v4 and v5p run their two TensorCores as one device).
+# Per device as jax sees it: a chip (v4 and v5p run their two TensorCores as one device). ICI: v4
+# the published all-reduce bandwidth per pod over its 4096 chips, the other TPUs their published
+# interchip bandwidth (one direction: half the bidirectional figure), the GPUs NVLink 4's 900 GB/s
+# bidirectional.
 CHIPS = {
-    "v4": Chip(275e12, 1228e9),
-    "v5e": Chip(197e12, 819e9),
-    "v5p": Chip(459e12, 2765e9),
-    "v6e": Chip(918e12, 1640e9),
-    "H100": Chip(989e12, 3350e9),  # SXM
-    "H200": Chip(989e12, 4800e9),
+    "v4": Chip(275e12, 1228e9, 268e9),
+    "v5e": Chip(197e12, 819e9, 200e9),
+    "v5p": Chip(459e12, 2765e9, 600e9),
+    "v6e": Chip(918e12, 1640e9, 448e9),
+    "H100": Chip(989e12, 3350e9, 450e9),  # SXM
+    "H200": Chip(989e12, 4800e9, 450e9),
 }
 
 
@@ -108,9 +115,15 @@ class Call:
     ideal_bytes: float
     remat_flops: float = 0.0  # the update's ideal plus the remat policy's recompute
     part: str = "rollout"     # rollout or update (the reference pass counts with the update)
+    ici: float = 0.0          # bytes each device sends in the call's collectives (`sem_jax.collectives`)
 
     def seconds(self, chip: Chip) -> float:
-        return max(self.flops / chip.flops, self.bytes / chip.hbm)
+        """The roofline: the slowest of compute, HBM and the interconnect, the others overlapped."""
+        return max(self.flops / chip.flops, self.bytes / chip.hbm, self.ici / chip.ici)
+
+    def bound(self, chip: Chip) -> str:
+        times = {"compute": self.flops / chip.flops, "memory": self.bytes / chip.hbm, "interconnect": self.ici / chip.ici}
+        return max(times, key=times.get)
 
 
 def counted(lower, loops: dict[str, int]) -> dict[str, float]:
@@ -370,7 +383,7 @@ def summary(calls: list[Call], shapes: dict) -> dict:
             sec = c.seconds(chip)
             per_call[c.name] = dict(ms=1e3 * sec, mfu=c.ideal_flops / (sec * chip.flops) if sec else 0.0,
                                     bandwidth=c.ideal_bytes / (sec * chip.hbm) if sec else 0.0,
-                                    bound="compute" if c.flops / chip.flops >= c.bytes / chip.hbm else "memory")
+                                    bound=c.bound(chip), ici_ms=1e3 * c.ici / chip.ici)
         chips[name] = dict(calls=per_call, rollout_s=t["rollout"], update_s=t["update"],
                            step_s=t["rollout"] + t["update"])
     return dict(shapes=shapes, calls=[dataclasses.asdict(c) for c in calls], chips=chips)
@@ -381,14 +394,14 @@ def report(calls: list[Call], shapes: dict, label: str, hbm: float, group_size: 
     print(f"{label}: roofline per device ({shapes['devices']} devices; the sampler's mesh {shapes['rollout_mesh']}, "
           f"{shapes['rows_per_group']:g} rollout rows per data group of {shapes['group_devices']}; "
           f"{shapes['micro_batches']} micro-batches of {shapes['micro_batch']})")
-    print("| call | per step | GFLOP (XLA) | ideal | XLA / ideal | GB (XLA) | ideal | XLA / ideal |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| call | per step | GFLOP (XLA) | ideal | XLA / ideal | GB (XLA) | ideal | XLA / ideal | GB sent (ICI) |")
+    print("|---|---|---|---|---|---|---|---|---|")
     ratio = lambda a, b: f"{a / b:.2f}" if b else "-"
     for c in calls:
         ideal = c.remat_flops or c.ideal_flops
         note = " (with remat)" if c.remat_flops else ""
         print(f"| {c.name} | {c.per_step} | {c.flops / 1e9:.1f} | {ideal / 1e9:.1f}{note} | {ratio(c.flops, ideal)} | "
-              f"{c.bytes / 1e9:.2f} | {c.ideal_bytes / 1e9:.2f} | {ratio(c.bytes, c.ideal_bytes)} |")
+              f"{c.bytes / 1e9:.2f} | {c.ideal_bytes / 1e9:.2f} | {ratio(c.bytes, c.ideal_bytes)} | {c.ici / 1e9:.3f} |")
     d = next(c for c in calls if c.name.startswith("decode step"))
     print(f"\nthe decode step in the sampler's layout reads at least {shapes['decode_floor'] / 1e9:.2f} GB per device "
           f"(the weights over a data group of {shapes['group_devices']}, the KV window over all devices): XLA's count "
@@ -398,8 +411,8 @@ def report(calls: list[Call], shapes: dict, label: str, hbm: float, group_size: 
           f"{sp['rest'] / 1e6:.0f} MB for the embedding, final norm, LM head and sampling (floor "
           f"{sp['rest_floor'] / 1e6:.0f})")
     names = list(CHIPS)
-    print("\npredicted ms per call, the larger of FLOPs / peak and bytes / bandwidth "
-          "(MFU: the model's FLOPs; BW: the ideal bytes)")
+    print("\npredicted ms per call, the largest of FLOPs / peak, bytes / HBM bandwidth and bytes sent / ICI "
+          "bandwidth (MFU: the model's FLOPs; BW: the ideal bytes)")
     print("| call | " + " | ".join(names) + " |")
     print("|---|" + "---|" * len(names))
     for c in calls:
@@ -411,6 +424,9 @@ def report(calls: list[Call], shapes: dict, label: str, hbm: float, group_size: 
         print(f"| {c.name} | " + " | ".join(cells) + " |")
     for part in ("rollout", "update", "step"):
         print(f"| {part} (s) | " + " | ".join(f"{data['chips'][n][part + '_s']:.1f}" for n in names) + " |")
+    print("\nthe decode step's collectives (each waits on the matmul before it, so they are not hidden) add "
+          + ", ".join(f"{n} {data['chips'][n]['calls'][d.name]['ici_ms']:.2f}" for n in names)
+          + " ms to it if none overlaps")
     b = data["decode_batch"] = decode_batch(calls, shapes, hbm)
     shards = shapes["rows"] / shapes["rows_per_group"]
     print(f"\ndecode batch: {b['now']:g} rows per data group now; the {hbm / 2**30:.1f} GiB HBM holds about {b['fit']} "

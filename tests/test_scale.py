@@ -77,6 +77,10 @@ def test_roofline_counts_every_layer_and_step_as_a_hand_count(tmp_path):
     assert sh["decode_floor"] == pytest.approx(floor)
     # XLA's count of a decode step (its layer scan unrolled whole) moves at least what the layout must.
     assert calls["decode step"]["bytes"] >= floor
+    # Its collectives send at least the tensor-parallel pairs' two all-reduces per layer (attention's
+    # and the MLP's outputs, [rows / 2, E], at 2 bytes or more): 2 (n - 1) / n of each, n = 2.
+    assert calls["decode step"]["ici"] >= L * 2 * (2 * 1 / 2) * rows / 2 * E * 2
+    assert calls["update"]["ici"] > 0  # FSDP: the weights gathered, the gradients reduce-scattered
     # Its split, from compiles with 2 and 4 layers (4: this model's own program), into what a layer
     # and what the rest read, each beside its share of the floor.
     sp = sh["decode_split"]
@@ -87,10 +91,11 @@ def test_roofline_counts_every_layer_and_step_as_a_hand_count(tmp_path):
     for name, flops in hand.items():
         assert calls[name]["flops"] == pytest.approx(flops / n, rel=0.1), name
     assert calls["decode step"]["per_step"] == 32 and calls["insert"]["per_step"] == 1
-    # Predictions: each call's time is its larger bound, summed into the step.
+    # Predictions: each call's time is its largest bound (compute, HBM, ICI), summed into the step.
     v4 = data["chips"]["v4"]
     for c in data["calls"]:
-        assert v4["calls"][c["name"]]["ms"] == pytest.approx(1e3 * max(c["flops"] / 275e12, c["bytes"] / 1228e9))
+        assert v4["calls"][c["name"]]["ms"] == pytest.approx(
+            1e3 * max(c["flops"] / 275e12, c["bytes"] / 1228e9, c["ici"] / 268e9))
     assert v4["step_s"] == pytest.approx(sum(c["per_step"] * v4["calls"][c["name"]]["ms"] / 1e3 for c in data["calls"]))
     assert "| decode step (window" in run.stdout and "decode batch:" in run.stdout
     # Beside a run's measured steps (scripts/roofline_vs_measured.py; the first step compiles).
