@@ -117,12 +117,15 @@ class Call:
     part: str = "rollout"     # rollout or update (the reference pass counts with the update)
     ici: float = 0.0          # bytes each device sends in the call's collectives (`sem_jax.collectives`)
 
+    def times(self, chip: Chip) -> dict[str, float]:
+        return {"compute": self.flops / chip.flops, "memory": self.bytes / chip.hbm, "interconnect": self.ici / chip.ici}
+
     def seconds(self, chip: Chip) -> float:
         """The roofline: the slowest of compute, HBM and the interconnect, the others overlapped."""
-        return max(self.flops / chip.flops, self.bytes / chip.hbm, self.ici / chip.ici)
+        return max(self.times(chip).values())
 
     def bound(self, chip: Chip) -> str:
-        times = {"compute": self.flops / chip.flops, "memory": self.bytes / chip.hbm, "interconnect": self.ici / chip.ici}
+        times = self.times(chip)
         return max(times, key=times.get)
 
 
