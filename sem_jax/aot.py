@@ -293,6 +293,8 @@ def main(argv):
     label = f"{FLAGS.topology or jax.devices()[0].device_kind} mesh {dict(_CONFIG.value.mesh)}"
     if _CONFIG.value.rollout.tensor:
         label += f", rollout in tensor-parallel groups of {_CONFIG.value.rollout.tensor}"
+        if _CONFIG.value.rollout.spread:
+            label += " (the MLP split over all of them)"
     if FLAGS.roofline:
         from sem_jax import roofline
         roofline.set_analysis_flags()

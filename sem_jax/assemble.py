@@ -153,8 +153,10 @@ def build_mesh(config: ConfigDict, devices: Sequence | None = None) -> Mesh:
 
 def build_rollout_mesh(config: ConfigDict, mesh: Mesh) -> Mesh:
     """The sampler's mesh: `mesh` itself (rollout.tensor = 0) or its devices in tensor-parallel
-    groups of rollout.tensor (`sharding.tensor_groups`)."""
-    return tensor_groups(mesh, config.rollout.tensor) if config.rollout.tensor else mesh
+    groups of rollout.tensor (`sharding.tensor_groups`; rollout.spread: the MLP over all of them)."""
+    if config.rollout.spread and not config.rollout.tensor:
+        raise ValueError("rollout.spread splits the MLP over rollout.tensor's groups: set rollout.tensor too")
+    return tensor_groups(mesh, config.rollout.tensor, config.rollout.spread) if config.rollout.tensor else mesh
 
 
 def init_model_config(config: ConfigDict, tokenizer) -> Qwen2Config:
@@ -207,6 +209,11 @@ def build_sampler(model: Qwen2, tokenizer, sampling: SamplingConfig, config: Con
     if t and kv % t:
         print(f"WARNING: rollout.tensor={t} does not divide the model's {kv} KV heads: each tensor-parallel "
               f"group holds every row's whole KV cache on each of its {t} devices", flush=True)
+    m = model.config.intermediate_size
+    if mesh is not None and config.rollout.spread and m % mesh.size:
+        print(f"WARNING: rollout.spread: the model's {m} MLP columns do not divide over the {mesh.size} devices: "
+              f"split over the largest run of the sampler's mesh axes that divides them (sharding.logical_to_spec)",
+              flush=True)
     stop = build_stop_automaton(tokenizer, protocol.stop_strings, vocab_size=model.config.vocab_size)
     return Sampler(model, stop, sampling, mesh=mesh, calls=calls, window_steps=config.rollout.window_steps,
                    max_prompt_tokens=config.data.max_prompt_tokens)

@@ -11,6 +11,9 @@ charges each device what a bandwidth-optimal ring sends over a group of n:
     all-to-all          (n - 1) / n   x the exchanged bytes
     collective-permute  1             x the sent bytes
 
+An all-reduce inside an `all-reduce-scatter` fusion (the TPU compiler's reduce-scatter written as
+an all-reduce and a slice of it) is charged as the reduce-scatter it runs as: (n - 1) / n.
+
 As XLA's counts, a loop's body is counted once (the roofline differences compiles for loops).
 """
 
@@ -29,6 +32,7 @@ _SHAPE = re.compile(r"\b(" + "|".join(_ITEM) + r")\[([\d,]*)\]")
 _GROUPS = re.compile(r"replica_groups=(\{\{[\d,]*\}|\[(\d+),(\d+)\]<=|mesh\[([^\]]*)\]\s*\{([^}]*)\}|\{\})")
 _AXIS = re.compile(r"'([^']+)'=(\d+)")
 _PARTITIONS = re.compile(r"num_partitions=(\d+)")
+_COMPUTATION = re.compile(r"^(?:ENTRY )?%?([\w.\-]+) ")  # a computation's header, at column 0
 
 
 def _sizes(shapes: str) -> list[int]:
@@ -64,7 +68,11 @@ def ici_bytes(hlo: str) -> float:
     total = 0.0
     partitions = _PARTITIONS.search(hlo)
     devices = int(partitions.group(1)) if partitions else 0
+    scatter = False  # inside an all-reduce-scatter fusion's computation
     for line in hlo.splitlines():
+        if line[:1] not in ("", " ", "}"):
+            header = _COMPUTATION.match(line)
+            scatter = bool(header) and header.group(1).startswith("all-reduce-scatter")
         if not any(op in line for op in _OPS):  # most lines: skip the regex
             continue
         m = _LINE.search(line)
@@ -83,6 +91,8 @@ def ici_bytes(hlo: str) -> float:
         n = group_size(line, devices)
         if n < 2:
             continue
+        if scatter and op == "all-reduce":
+            op = "all-gather"  # a reduce-scatter of `size`: each device sends (n - 1) / n of it, as a gather
         total += {"all-reduce": 2 * (n - 1) / n, "all-gather": (n - 1) / n, "reduce-scatter": n - 1,
                   "all-to-all": (n - 1) / n}[op] * size
     return total

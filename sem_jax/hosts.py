@@ -33,8 +33,8 @@ from sem_jax.sharding import batch_sharding, logical_to_spec
 
 def batch_shards(mesh: Mesh) -> int:
     """How many ways the mesh splits a batch (its `batch` axes, e.g. data x fsdp)."""
-    spec = logical_to_spec(("batch",))
-    axes = spec[0] if isinstance(spec[0], tuple) else (spec[0],)
+    spec = logical_to_spec(("batch",), None, dict(mesh.shape))
+    axes = spec[0] if spec and isinstance(spec[0], tuple) else spec[:1]
     return int(np.prod([mesh.shape[a] for a in axes if a is not None]))
 
 

@@ -29,8 +29,8 @@ calls on the sampler's mesh (`rollout.tensor`) and the trainer's on the training
 - the ideal: the model's FLOPs (2 per weight per token, causal attention, the head where it runs;
   3x for the update, plus what the remat policy recomputes) and the bytes that must move (the
   weights once in the compute dtype, the KV window read, this call's keys and values written),
-  divided evenly over the devices (a layout that keeps whole weights in each group of T devices
-  reads at least 1/T of them on each device: `decode_floor`).
+  divided evenly over the devices (a decode step in the sampler's layout reads at least the
+  share of each weight that layout puts on a device: `decode_floor`).
 - the interconnect: the bytes each device sends in the program's collectives, as a ring sends
   them (`sem_jax.collectives`), counted across loops as the FLOPs are.
 - the predicted time per call on each chip of CHIPS: the largest of FLOPs / peak, bytes / HBM
@@ -57,7 +57,7 @@ from ml_collections import ConfigDict
 from sem_jax.aot import abstract_model, cost, device_bytes, narrower, rows_on, trainer_bytes
 from sem_jax.assemble import build_mesh, build_rollout_mesh, build_trainer, inserted_tokens, micro_batch, settings
 from sem_jax.hosts import batch_shards
-from sem_jax.model import Qwen2Config
+from sem_jax.model import Qwen2Config, param_shapes
 from sem_jax.rl.loss import head_chunk
 from sem_jax.rl.trainer import LOGPROB_KEYS
 from sem_jax.sampling.sampler import bucket_length, decode_step, insert_step, prefill_step
@@ -175,11 +175,18 @@ def forward_flops(c: Qwen2Config, rows: int, new: int, past: int, head_rows: int
     return sum(layer_flops(c, rows, new, past)) + 2 * c.vocab_size * c.hidden_size * head_rows
 
 
-def weight_bytes(c: Qwen2Config, itemsize: int) -> float:
-    """Every weight a forward pass reads, once: the layers, the final norm and the head."""
-    e, d, h, k, i = c.hidden_size, c.head_dim, c.num_heads, c.num_kv_heads, c.intermediate_size
-    per_layer = e * d * (2 * h + 2 * k) + 3 * e * i + (h + 2 * k) * d + 2 * e
-    return (c.num_layers * per_layer + e + c.vocab_size * e) * itemsize
+def weight_bytes(c: Qwen2Config, itemsize: int, share: dict[str, float] | None = None) -> float:
+    """Every weight a forward pass reads, once: the layers, the final norm and the head (the
+    embedding table only where it is the head); `share`: the fraction of each weight (by its
+    `param_shapes` name) that one device holds, else all of it."""
+    read = {name: shape for name, (shape, _) in param_shapes(c).items() if name != "embed" or c.tie_word_embeddings}
+    return itemsize * sum(math.prod(shape) * (share or {}).get(name, 1.0) for name, shape in read.items())
+
+
+def weight_shares(params) -> dict[str, float]:
+    """The fraction of each parameter (by its `param_shapes` name) one device holds."""
+    return {".".join(str(k) for k in path): math.prod(v.sharding.shard_shape(v.shape)) / math.prod(v.shape)
+            for path, v in ((path, v.get_value()) for path, v in nnx.to_flat_state(params))}
 
 
 def kv_bytes(c: Qwen2Config, rows: int, slots: int, itemsize: int) -> float:
@@ -305,15 +312,15 @@ def analyse(config: ConfigDict, devices: list, mcfg: Qwen2Config) -> tuple[list[
                           remat_flops=(3 * fwd + recomputed(parts, config.model.remat)) / n))
     m = decode.memory_analysis()
     shards = batch_shards(rollout_mesh)
-    floor = lambda c: decode_floor(c, rows, window, item, shards / n, n)
+    floor = partial(decode_floor, rows=rows, window=window, item=item, share=weight_shares(sampler_params), n=n)
     per_group = rows // shards  # rows split evenly over the batch shards (hosts.to_global)
     resident = trainer_bytes(params, opt, config)  # held while the sampler runs
     shapes = dict(devices=n, device_kind=devices[0].device_kind, rollout_mesh=dict(rollout_mesh.shape), rows=rows,
                   rows_per_group=per_group, group_devices=n // shards,  # a data group: the devices sharing rows
                   prompt=tp, response=resp, window=window, micro_batch=micro, micro_batches=steps_m, share=share,
                   inputs=t, head_positions=w, insert=wi, resident=resident,
-                  # what a decode step must read in this layout: a group's share of the weights
-                  # (all of them under FSDP, gathered at every step) and the KV window
+                  # what a decode step must read in this layout: each device's share of the
+                  # weights (all of them under FSDP, gathered at every step) and of the KV window
                   decode_floor=floor(mcfg), decode_split=decode_split(few, mcfg, floor),
                   decode_peak=m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
                   - m.alias_size_in_bytes + resident,
@@ -331,10 +338,10 @@ def decode_count(graphdef, params, state, stop_table, eos_ids, cfg, window: int)
     return {k: two[k] - one[k] for k in one}
 
 
-def decode_floor(c: Qwen2Config, rows: int, window: int, item: int, weight_share: float, n: int) -> float:
-    """What a decode step must read per device: its `weight_share` of the weights and its share
+def decode_floor(c: Qwen2Config, *, rows: int, window: int, item: int, share: dict[str, float], n: int) -> float:
+    """What a decode step must read per device: its `share` of each weight (`weight_shares`) and
     of the KV window (the window's rows and KV heads split over all `n` devices)."""
-    return weight_bytes(c, item) * weight_share + kv_bytes(c, rows, window, item) / n
+    return weight_bytes(c, item, share) + kv_bytes(c, rows, window, item) / n
 
 
 def decode_split(few: dict[int, float], c: Qwen2Config, floor) -> dict[str, float]:
@@ -407,7 +414,7 @@ def report(calls: list[Call], shapes: dict, label: str, hbm: float, group_size: 
               f"{c.bytes / 1e9:.2f} | {c.ideal_bytes / 1e9:.2f} | {ratio(c.bytes, c.ideal_bytes)} | {c.ici / 1e9:.3f} |")
     d = next(c for c in calls if c.name.startswith("decode step"))
     print(f"\nthe decode step in the sampler's layout reads at least {shapes['decode_floor'] / 1e9:.2f} GB per device "
-          f"(the weights over a data group of {shapes['group_devices']}, the KV window over all devices): XLA's count "
+          f"(its share of each weight as the sampler's mesh places them, of the KV window over all devices): XLA's count "
           f"is {d.bytes / shapes['decode_floor']:.2f}x that")
     sp = shapes["decode_split"]
     print(f"counted with 2 and 4 layers: {sp['per_layer'] / 1e6:.0f} MB per layer (floor {sp['per_layer_floor'] / 1e6:.0f}), "

@@ -15,6 +15,9 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 MESH_AXES = ("data", "fsdp", "tensor")
+# The sampler's spread layout names its group axis `groups` (`tensor_groups(spread=True)`): the rows
+# are split over it as over `data`, and the MLP's weights too (see RULES).
+SPREAD_AXES = ("groups", "fsdp", "tensor")
 # Auto axes: GSPMD propagates shardings; Explicit (the default of make_mesh) would reject the
 # gathers and einsums this model writes in plain jnp.
 AXIS_TYPES = (AxisType.Auto,) * len(MESH_AXES)
@@ -22,22 +25,27 @@ AXIS_TYPES = (AxisType.Auto,) * len(MESH_AXES)
 # The one rules table. Parameters: `embed` is sharded by FSDP, the wide axes
 # (heads, mlp, vocab) by tensor parallelism. Activations use their own names
 # (`act_*`) so that a parameter's FSDP axis is not forced onto activations,
-# whose batch axis already carries `data` and `fsdp`.
+# whose batch axis already carries `data` and `fsdp`. On a mesh with a `groups` axis (the
+# sampler's spread layout) the MLP's weights are split over the groups as well as tensor, and the
+# rows entering the MLP (`mlp_rows`, where the model gathers them: a decode step) are whole on
+# every group: each device reads 1/(groups x tensor) of the MLP's weights, and the rows, far
+# fewer bytes, cross the interconnect instead (a 2-D weight-stationary layout).
 RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
-    ("batch", ("data", "fsdp")),
+    ("batch", ("data", "fsdp", "groups")),
+    ("mlp_rows", ("data", "fsdp")),
     ("length", None),
     ("cache_length", None),
     ("act_embed", None),
     ("act_heads", "tensor"),
     ("act_kv_heads", "tensor"),
-    ("act_mlp", "tensor"),
+    ("act_mlp", ("tensor", "groups")),
     ("act_vocab", "tensor"),
     ("vocab", "tensor"),
     ("embed", "fsdp"),
     ("heads", "tensor"),
     ("kv_heads", "tensor"),
     ("head_dim", None),
-    ("mlp", "tensor"),
+    ("mlp", ("tensor", "groups")),
     ("layers", None),
 )
 
@@ -60,10 +68,11 @@ def make_mesh(data: int = 1, fsdp: int = -1, tensor: int = 1,
     return jax.make_mesh(tuple(sizes), MESH_AXES, axis_types=AXIS_TYPES, devices=devices)
 
 
-def tensor_groups(mesh: Mesh, tensor: int) -> Mesh:
+def tensor_groups(mesh: Mesh, tensor: int, spread: bool = False) -> Mesh:
     """`mesh`'s devices as a (data, 1, `tensor`) mesh: groups of `tensor` devices, each group one
     process's consecutive devices (its rows then stay on its own devices, `sem_jax.hosts`), which
-    hold the weights whole between them, split by tensor parallelism (the sampler's layout)."""
+    hold the weights whole between them, split by tensor parallelism (the sampler's layout).
+    `spread`: the group axis is `groups` (SPREAD_AXES), over which the MLP's weights are split too."""
     devices = sorted(mesh.devices.flat, key=lambda d: (d.process_index, d.id))
     if tensor < 1 or len(devices) % tensor:
         raise ValueError(f"rollout.tensor={tensor} must be >= 1 and divide the {len(devices)} devices")
@@ -72,16 +81,17 @@ def tensor_groups(mesh: Mesh, tensor: int) -> Mesh:
         raise ValueError(f"rollout.tensor={tensor} must divide each process's devices "
                          f"({sorted(set(per_process.values()))}): a tensor group cannot span processes")
     grid = np.array(devices, dtype=object).reshape(len(devices) // tensor, 1, tensor)
-    return Mesh(grid, MESH_AXES, axis_types=AXIS_TYPES)
+    return Mesh(grid, SPREAD_AXES if spread else MESH_AXES, axis_types=AXIS_TYPES)
 
 
 def logical_to_spec(names: Sequence[str | None], shape: Sequence[int] | None = None,
                     mesh_shape: dict[str, int] | None = None, rules=RULES) -> PartitionSpec:
     """PartitionSpec for logical `names`.
 
-    With `shape` and `mesh_shape`, a dimension that the mesh axes do not divide is
-    replicated instead (e.g. 2 KV heads on a tensor axis of 4), and a mesh axis is
-    used at most once per array.
+    With `mesh_shape`, mesh axes it lacks (or of size 1) are left out; with `shape` too, a
+    dimension is split over the longest leading run of its axes that divides it (replicated
+    where none does: 2 KV heads on a tensor axis of 4), and a mesh axis is used at most once
+    per array.
     """
     table = dict(rules)
     used: set[str] = set()
@@ -96,8 +106,8 @@ def logical_to_spec(names: Sequence[str | None], shape: Sequence[int] | None = N
         axes = (axes,) if isinstance(axes, str) else tuple(axes)
         if mesh_shape is not None:
             axes = tuple(a for a in axes if a in mesh_shape and mesh_shape[a] > 1 and a not in used)
-            if shape is not None and axes and shape[i] % int(np.prod([mesh_shape[a] for a in axes])):
-                axes = ()
+            while shape is not None and axes and shape[i] % int(np.prod([mesh_shape[a] for a in axes])):
+                axes = axes[:-1]
         used.update(axes)
         spec.append(None if not axes else axes[0] if len(axes) == 1 else axes)
     while spec and spec[-1] is None:  # jit returns specs in this form: P(x, None) would miss

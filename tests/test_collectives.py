@@ -57,10 +57,21 @@ def test_the_tpu_text_forms_are_read():
         "%x = f32[8]{0} add(%y, %z)",
         "%rs = bf16[4,8]{1,0} reduce-scatter(%w), replica_groups=mesh['a'=2,'b'=4] {'a','b'}, dimensions={0}",
         "%all = bf16[4,8]{1,0} all-reduce(%w), replica_groups={}, to_apply=%add",
+        # A reduce-scatter as the TPU compiler fuses it: an all-reduce and its slice, charged (n-1)/n.
+        "%all-reduce-scatter.clone.1 (input.4: bf16[320,128]) -> bf16[80,128] {",
+        "  %input.4 = bf16[320,128]{1,0:T(8,128)(2,1)} parameter(0)",
+        "  %all-reduce.75 = bf16[320,128]{1,0:T(8,128)(2,1)} all-reduce(%input.4), channel_id=19, "
+        "replica_groups={{0,4,8,12},{1,5,9,13},{2,6,10,14},{3,7,11,15}}, to_apply=%add.6.clone",
+        "  ROOT %dynamic-slice.449 = bf16[80,128]{1,0} dynamic-slice(%all-reduce.75, %m, %c), dynamic_slice_sizes={80,128}",
+        "}",
+        "%fused_computation.2 (p: f32[8,8]) -> f32[8,8] {",
+        "  %after = f32[8,8]{1,0} all-reduce(%p), replica_groups={{0,1}}, to_apply=%add",
+        "}",
     ])
     assert group_size(hlo.splitlines()[0]) == 4
     hand = (3 / 4 * 320 * 128 * 2 + 80 * 128 * 2 + 2 * 1 / 2 * (16 * 4 + 64 * 2)
-            + 7 * 4 * 8 * 2)  # the reduce-scatter over both axes (8 devices)
+            + 7 * 4 * 8 * 2  # the reduce-scatter over both axes (8 devices)
+            + 3 / 4 * 320 * 128 * 2 + 2 * 1 / 2 * 8 * 8 * 4)  # the fused reduce-scatter; a plain all-reduce after it
     assert ici_bytes(hlo) == pytest.approx(hand)  # {} without num_partitions: no group known, not charged
     module = "HloModule jit_step, num_partitions=16\n" + hlo
     assert ici_bytes(module) == pytest.approx(hand + 2 * 15 / 16 * 4 * 8 * 2)

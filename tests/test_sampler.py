@@ -230,13 +230,14 @@ def test_sampling_from_weights_cast_to_the_compute_dtype_changes_nothing(per_lay
 
 
 
-@pytest.mark.parametrize("tensor,per_layer", [(4, False), (2, True)])
-def test_tensor_parallel_layout_samples_as_the_training_mesh(tensor, per_layer):
+@pytest.mark.parametrize("tensor,per_layer,spread", [(4, False, False), (2, True, False), (2, False, True),
+                                                     (4, True, True)])
+def test_tensor_parallel_layout_samples_as_the_training_mesh(tensor, per_layer, spread):
     """The sampler on a mesh of its own (`rollout.tensor`: the 8 devices as data x `tensor`), given
     the weights in the training mesh's FSDP layout: it re-places them (each device a 1/tensor share
-    of the heads, the MLP and the vocabulary, whole over the embedding), splits the KV cache by its
-    heads and the rows over the groups, and samples the tokens and log-probs of the sampler on the
-    FSDP mesh, through a decode, an insert and a decode again."""
+    of the heads, the MLP and the vocabulary, whole over the embedding; `spread`: a 1/8 share of
+    the MLP), splits the KV cache by its heads and the rows over the groups, and samples the tokens
+    and log-probs of the sampler on the FSDP mesh, through a decode, an insert and a decode again."""
     from flax import nnx
     from policies import Qwen2Config
 
@@ -251,27 +252,62 @@ def test_tensor_parallel_layout_samples_as_the_training_mesh(tensor, per_layer):
         nnx.update(model, shard_params(nnx.state(model), fsdp))  # as the trainer holds them
     prompts = [[5, 17, 42], [9, 1, 2, 3, 4, 5, 6, 7, 8, 100], [33], [4, 4]]
     runs = {}
-    for mesh in (fsdp, tensor_groups(fsdp, tensor)):
+    for mesh in (fsdp, tensor_groups(fsdp, tensor, spread)):
         sampler = Sampler(model, stop, SamplingConfig(max_new_tokens=12, greedy=True), mesh=mesh, per_layer=per_layer)
         with jax.set_mesh(fsdp):  # the caller's mesh: the sampler runs on its own
             state = sampler.decode(sampler.start(prompts, 2, jax.random.key(0)))
             state = sampler.decode(sampler.insert(state, [[1, 2, 3]] * 4 + [[]] * 4))
         runs[mesh.shape["tensor"]] = sampler, state
     sampler, state = runs[tensor]
-    assert dict(sampler.mesh.shape) == {"data": 8 // tensor, "fsdp": 1, "tensor": tensor}
+    groups = "groups" if spread else "data"
+    assert dict(sampler.mesh.shape) == {groups: 8 // tensor, "fsdp": 1, "tensor": tensor}
     q = sampler.params["layers"]["q_kernel"][...]  # [layers, embed, heads, head_dim]
     assert q.addressable_shards[0].data.shape == (2, 64, 8 // tensor, 8)
     down = sampler.params["layers"]["down_kernel"][...]  # [layers, mlp, embed]
-    assert down.addressable_shards[0].data.shape == (2, 128 // tensor, 64)
+    assert down.addressable_shards[0].data.shape == (2, 128 // (8 if spread else tensor), 64)
     # [rows, kv_heads, head_dim, slots] per layer; stacked [layers, rows, slots, kv_heads, head_dim]
     k = state.cache.k[0] if per_layer else state.cache.k
     shard = k.addressable_shards[0].data.shape
     rows_heads = shard[:2] if per_layer else (shard[1], shard[3])
-    assert rows_heads == (8 // sampler.mesh.shape["data"], 4 // tensor)  # rows over the groups, heads split
+    assert rows_heads == (8 // sampler.mesh.shape[groups], 4 // tensor)  # rows over the groups, heads split
     _, want = runs[1]
     assert np.asarray(state.resp_len).tolist() == np.asarray(want.resp_len).tolist()
     np.testing.assert_array_equal(np.asarray(state.resp), np.asarray(want.resp))
     np.testing.assert_allclose(np.asarray(state.resp_logprob), np.asarray(want.resp_logprob), atol=1e-4)
+
+
+def test_spread_layout_sends_the_rows_not_the_weights():
+    """A decode step in tensor-parallel pairs (8 devices: 4 groups of 2), the MLP's weights split
+    over the pairs (rollout.spread) or over all 8 (its 2-D layout): the same logits; each device
+    reads the 3/8 of its MLP weights it no longer holds fewer bytes, and the interconnect carries
+    the step's rows (a few KB) instead, never the weights."""
+    from flax import nnx
+    from policies import Qwen2Config
+
+    from sem_jax.aot import cost
+    from sem_jax.sharding import batch_sharding, make_mesh, shard_params, tensor_groups
+
+    cfg = Qwen2Config(vocab_size=256, hidden_size=64, intermediate_size=1024, num_layers=2, num_heads=8,
+                      num_kv_heads=4, rope_theta=1e6)
+    graphdef, params = nnx.split(random_qwen2(0, cfg))
+    step = jax.jit(lambda p, tokens, cache: nnx.merge(graphdef, p).extend(tokens, cache))
+    runs = {}
+    for spread in (False, True):
+        mesh = tensor_groups(make_mesh(data=1, fsdp=-1, tensor=1), 2, spread)
+        with jax.set_mesh(mesh):
+            placed = shard_params(params, mesh)
+            cache = jax.jit(lambda p: nnx.merge(graphdef, p).init_cache(8, 32))(placed)
+            cache = step(placed, jnp.arange(8 * 5).reshape(8, 5) % 256, cache)[1]  # 5 tokens per row
+            tokens = jax.device_put(jnp.arange(8)[:, None] + 7, batch_sharding(mesh, (8, 1)))
+            compiled = step.lower(placed, tokens, cache).compile()
+            runs[spread] = cost(compiled), np.asarray(compiled(placed, tokens, cache)[0])
+    (group, want), (spread, got) = runs[False], runs[True]
+    np.testing.assert_allclose(got, want, atol=1e-5)
+    mlp = cfg.num_layers * 3 * cfg.hidden_size * cfg.intermediate_size * 4  # float32 bytes
+    assert spread["bytes"] <= group["bytes"] - 0.9 * mlp * (1 / 2 - 1 / 8)
+    rows = cfg.num_layers * 8 * cfg.hidden_size * 4  # each layer's [8, E] rows entering the MLP
+    # (gathering the weights instead would send several times a device's own 1/8 share of them)
+    assert rows <= spread["ici"] - group["ici"] <= 4 * rows < 0.1 * mlp / 8
 
 
 def test_tensor_groups_refuse_what_does_not_divide():

@@ -21,6 +21,16 @@ def test_rules_table():
     assert logical_to_spec(("batch", "length", "act_embed"), (8, 5, 64), mesh) == P(("data", "fsdp"))
     # A mesh axis of size 1 is dropped from the spec.
     assert logical_to_spec(("batch",), (8,), {"data": 1, "fsdp": 8, "tensor": 1}) == P("fsdp")
+    # The sampler's spread layout (a `groups` axis): rows over the groups, the MLP's weights over
+    # the groups too, the rows entering the MLP whole on each group; where the groups do not divide
+    # a dimension it keeps the leading axes that do.
+    spread = {"groups": 2, "fsdp": 1, "tensor": 4}
+    assert logical_to_spec(("layers", "embed", "mlp"), (3, 64, 96), spread) == P(None, None, ("tensor", "groups"))
+    assert logical_to_spec(("layers", "embed", "mlp"), (3, 64, 100), spread) == P(None, None, "tensor")
+    assert logical_to_spec(("batch", "length", "act_mlp"), (8, 1, 96), spread) == P("groups", None, "tensor")
+    assert logical_to_spec(("mlp_rows", "length", "act_mlp"), (8, 1, 96), spread) == P(None, None, ("tensor", "groups"))
+    assert logical_to_spec(("mlp_rows",), (8,), mesh) == logical_to_spec(("batch",), (8,), mesh)
+    assert logical_to_spec(("layers", "embed", "mlp"), (3, 64, 96), mesh) == P(None, "fsdp", "tensor")
     with pytest.raises(KeyError, match="nonsense"):
         logical_to_spec(("nonsense",))
     assert all(len(rule) == 2 for rule in RULES)

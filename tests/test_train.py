@@ -155,14 +155,16 @@ def test_two_processes_evaluate_as_one(warm_model, tmp_path):
     """`sem_jax.evaluate` on two processes (2 CPU devices each, the 4-device mesh) scores each
     process's share of the questions and writes the same results and predictions as one process
     on 4 devices; an odd --limit leaves the shares unequal (one process pads). The two processes
-    sample in tensor-parallel pairs (rollout.tensor=2, a pair per process), the one process on the
-    FSDP mesh."""
+    sample in tensor-parallel pairs (rollout.tensor=2, a pair per process) with the MLP split over
+    both pairs (rollout.spread: each decode step gathers its rows across the processes), the one
+    process on the FSDP mesh."""
     def cmd(out, *extra):
         return [sys.executable, "-m", "sem_jax.evaluate", "--config", os.path.join(REPO, "configs", "cpu.py"),
                 f"--hf={warm_model}", "--limit=7", "--seed=3", "--modes=policy", f"--out={out}",
                 "--config.rollout.max_new_tokens=24", "--config.data.prompts_per_step=2",
                 "--config.rollout.group_size=2", *extra]
-    outs = _two_processes(lambda *flags: cmd(tmp_path / "two", "--config.rollout.tensor=2", *flags))
+    outs = _two_processes(lambda *flags: cmd(tmp_path / "two", "--config.rollout.tensor=2",
+                                             "--config.rollout.spread=True", *flags))
     assert "| policy |" in outs[0] and "| policy |" not in outs[1]  # process 0 alone reports and writes
     single = subprocess.run(cmd(tmp_path / "one"), capture_output=True, text=True, timeout=600, cwd=REPO,
                             env=cpu_env(4))

@@ -16,7 +16,7 @@ from flax import nnx
 
 from sem_jax.model import cache_attention, flash_attention
 from sem_jax.model.config import Qwen2Config
-from sem_jax.sharding import constrain
+from sem_jax.sharding import constrain, shards
 
 # Layer parameter name -> (logical axes, initialiser kind).
 LAYER_PARAMS: dict[str, tuple[tuple[str, ...], str]] = {
@@ -520,11 +520,22 @@ class Qwen2(nnx.Module):
         v = constrain(v, ("batch", "length", "act_kv_heads", "head_dim"))
         out, carry = attend(q, k, v)
         x = x + _dense(out.reshape(b * t, c.num_heads, c.head_dim), p, "o_kernel").reshape(b, t, e)
-        h = rms_norm(x, p["post_norm"], c.rms_norm_eps).reshape(b * t, e)
+        # Where the MLP's weights are split over the row groups too (sharding.RULES, `groups`), a
+        # decode step gathers its rows to every group (a few MB) and reduce-scatters the output;
+        # with many tokens (a prefill, an insert) the rows would outweigh the weights, which are
+        # gathered instead.
+        gather = t == 1 and shards("mlp_rows", b) != shards("batch", b)
+        rows = "mlp_rows" if gather else "batch"
+        h = rms_norm(x, p["post_norm"], c.rms_norm_eps)
+        if gather:
+            h = constrain(h, (rows, "length", "act_embed"))
+        h = h.reshape(b * t, e)
         act = jax.nn.silu(_dense(h, p, "gate_kernel")) * _dense(h, p, "up_kernel")
-        act = constrain(act.reshape(b, t, -1), ("batch", "length", "act_mlp"))
-        x = x + _dense(act.reshape(b * t, -1), p, "down_kernel").reshape(b, t, e)
-        return constrain(x, ("batch", "length", "act_embed")), carry
+        act = constrain(act.reshape(b, t, -1), (rows, "length", "act_mlp"))
+        out = _dense(act.reshape(b * t, -1), p, "down_kernel").reshape(b, t, e)
+        if gather:
+            out = constrain(out, ("batch", "length", "act_embed"))
+        return constrain(x + out, ("batch", "length", "act_embed")), carry
 
     def _finish(self, x, cache: KVCache, k, v, t: int, num_new: jax.Array | None) -> tuple[jax.Array, KVCache]:
         x = rms_norm(x, self.final_norm[...], self.config.rms_norm_eps)

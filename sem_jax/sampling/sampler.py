@@ -201,6 +201,9 @@ def _prefill(graphdef, params, layers, prompts, lengths, key, *, group_size: int
     rows = lambda x: constrain(x, ("batch",) + ("length",) * (x.ndim - 1))
     fields = {f.name: rows(getattr(state, f.name)) for f in dataclasses.fields(state)
               if f.name not in ("cache", "key")}
+    # The logits as the LM head leaves them, split over the vocabulary (whole, each device of a
+    # tensor group held a float32 copy of every row's).
+    fields["logits"] = constrain(state.logits, ("batch", "act_vocab"))
     k_axes, v_axes = cache_axes(cache.per_layer)
     kv = lambda c, axes: jax.tree.map(lambda x: constrain(x, axes), c)
     cache = KVCache(k=kv(state.cache.k, k_axes), v=kv(state.cache.v, v_axes), lengths=rows(state.cache.lengths))
