@@ -278,9 +278,9 @@ def test_tensor_parallel_layout_samples_as_the_training_mesh(tensor, per_layer, 
 
 def test_spread_layout_sends_the_rows_not_the_weights():
     """A decode step in tensor-parallel pairs (8 devices: 4 groups of 2), the MLP's weights split
-    over the pairs (rollout.spread) or over all 8 (its 2-D layout): the same logits; each device
-    reads the 3/8 of its MLP weights it no longer holds fewer bytes, and the interconnect carries
-    the step's rows (a few KB) instead, never the weights."""
+    over the pairs or over all 8 (rollout.spread, a 2-D layout): the same logits; each device
+    reads fewer bytes by the 3/8 of the MLP's weights it no longer holds, and the interconnect
+    carries the step's rows (a few KB) instead, never the weights."""
     from flax import nnx
     from policies import Qwen2Config
 

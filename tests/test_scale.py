@@ -111,36 +111,6 @@ def test_roofline_counts_every_layer_and_step_as_a_hand_count(tmp_path):
     assert f"| rollout | 1.500 | {v4['rollout_s']:.3f} |" in cmp.stdout and step in cmp.stdout
 
 
-def test_roofline_spread_layout_reads_its_share_of_the_mlp(tmp_path):
-    """The sampler in tensor-parallel pairs on 4 TPU devices, the MLP split over the pairs or
-    over all 4 (rollout.spread): a decode step's floor loses a quarter of the MLP's weights, XLA's
-    count of its bytes a good part of that, and its collectives carry the rows, not the weights.
-    (XLA's TPU count of this tiny model's matmuls is not exact: here it drops by 0.45x the
-    quarter, and with 4096 MLP columns its count for the pairs falls below their floor. The
-    7B's, 64 of 77 MB per layer, is in tpu/README.md.)"""
-    pytest.importorskip("libtpu", reason="jax[tpu] (libtpu) not installed: the compile-only TPU check is skipped")
-    L, E, M, rows = 4, 128, 2048, 8
-    runs = {}
-    for spread in (False, True):
-        out = tmp_path / f"spread-{spread}.json"
-        run = _aot("--config", "configs/cpu.py", "--topology", "v4:2x2x1", "--roofline", f"--json={out}",
-                   "--config.data.max_prompt_tokens=64", "--config.rollout.max_new_tokens=32",
-                   "--config.data.prompts_per_step=4", "--config.rollout.group_size=2", "--config.rl.micro_batch=8",
-                   "--config.rollout.max_searches=0", "--config.model.remat=none", "--config.rollout.tensor=2",
-                   f"--config.model.init.intermediate_size={M}", f"--config.rollout.spread={spread}")
-        assert run.returncode == 0, run.stderr[-3000:]
-        data = json.loads(out.read_text())
-        runs[spread] = data["shapes"], next(c for c in data["calls"] if c["name"].startswith("decode step"))
-    (group, g), (spread, s) = runs[False], runs[True]
-    assert spread["rollout_mesh"] == {"groups": 2, "fsdp": 1, "tensor": 2} and spread["rows"] == group["rows"] == rows
-    mlp = L * 3 * E * M * 4  # float32 bytes
-    assert group["decode_floor"] - spread["decode_floor"] == pytest.approx(mlp * (1 / 2 - 1 / 4))
-    assert g["bytes"] - s["bytes"] >= 0.3 * mlp * (1 / 2 - 1 / 4)
-    # Each layer's rows gathered to both pairs and its output reduce-scattered: [8, E] float32, a
-    # few KB, never the 0.8 MB of a layer's MLP weights a device no longer holds.
-    assert 0 < s["ici"] - g["ici"] <= L * 4 * rows * E * 4
-
-
 def test_aot_without_tpu_topology_names_the_cause():
     try:
         import libtpu  # noqa: F401
@@ -276,6 +246,54 @@ def test_flash_kernels_compile_for_tpu_and_the_roofline_counts_them():
     assert kernel["flops"] - kernel["xla_flops"] == heads * 3 * (2 + 3 + 4) * 2 * 512 * 512 * 128
     assert xla["flops"] == xla["xla_flops"] and xla["bytes"] == xla["xla_bytes"]
     assert kernel["bytes"] < xla["bytes"]
+
+
+SPREAD_COMPILE = r"""
+import json
+import jax, jax.numpy as jnp
+from flax import nnx
+from sem_jax.model import Qwen2, Qwen2Config
+from sem_jax.aot import cost, target_devices
+from sem_jax.roofline import set_analysis_flags, weight_bytes, weight_shares
+from sem_jax.sharding import batch_sharding, make_mesh, named_sharding, tensor_groups
+set_analysis_flags()  # CMEM staging off: the bytes counted are HBM bytes
+devices = target_devices("v4:2x2x1")
+cfg = Qwen2Config(vocab_size=512, hidden_size=256, intermediate_size=2048, num_layers=2, num_heads=4,
+                  num_kv_heads=2, head_dim=128, rope_theta=1e6)
+out = {}
+for spread in (False, True):
+    mesh = tensor_groups(make_mesh(devices=devices), 2, spread)
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: Qwen2(cfg, rngs=nnx.Rngs(0), param_dtype=jnp.bfloat16,
+                                                             dtype=jnp.bfloat16, scan_unroll=2)))
+    params = jax.tree.map(lambda v: v.replace(jax.ShapeDtypeStruct(
+        v.shape, v.dtype, sharding=named_sharding(mesh, v.get_metadata()["axes"], v.shape))),
+        state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+    with jax.set_mesh(mesh):
+        init = jax.jit(lambda p: nnx.merge(graphdef, p).init_cache(8, 256)).lower(params).compile()
+        cache = jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh),
+                             init.out_info, init.output_shardings)
+        tokens = jax.ShapeDtypeStruct((8, 1), jnp.int32, sharding=batch_sharding(mesh, (8, 1)))
+        step = jax.jit(lambda p, t, c: nnx.merge(graphdef, p).extend(t, c, window=128))
+        out[str(spread)] = dict(cost(step.lower(params, tokens, cache).compile()), mesh=dict(mesh.shape),
+                                weights=weight_bytes(cfg, 2, weight_shares(params)))
+print(json.dumps(out))
+"""
+
+
+def test_spread_layout_on_tpu_reads_its_share_of_the_mlp_and_sends_the_rows():
+    """One decode step (8 rows, 2 layers, bf16) on 4 TPU devices in tensor-parallel pairs, the MLP
+    split over a pair or over all 4 (rollout.spread): the weights a device holds lose a quarter of
+    the MLP's, XLA's count of the step's bytes nearly all of that, and its collectives carry the
+    rows ([8, E], a few KB), not the 1.6 MB of MLP weights a device no longer holds."""
+    pytest.importorskip("libtpu", reason="jax[tpu] (libtpu) not installed: the compile-only TPU check is skipped")
+    got = _tpu_script(SPREAD_COMPILE)
+    group, spread = got["False"], got["True"]
+    assert spread["mesh"] == {"groups": 2, "fsdp": 1, "tensor": 2} and group["mesh"]["data"] == 2
+    L, E, M, rows = 2, 256, 2048, 8
+    mlp = L * 3 * E * M * 2
+    assert group["weights"] - spread["weights"] == pytest.approx(mlp * (1 / 2 - 1 / 4))
+    assert group["bytes"] - spread["bytes"] >= 0.8 * mlp * (1 / 2 - 1 / 4)
+    assert 0 < spread["ici"] - group["ici"] <= L * 4 * rows * E * 2
 
 
 DENSE_COMPILE = r"""
