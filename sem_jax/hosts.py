@@ -28,14 +28,12 @@ import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh
 
-from sem_jax.sharding import batch_sharding, logical_to_spec
+from sem_jax.sharding import batch_sharding, pieces
 
 
 def batch_shards(mesh: Mesh) -> int:
     """How many ways the mesh splits a batch (its `batch` axes, e.g. data x fsdp)."""
-    spec = logical_to_spec(("batch",), None, dict(mesh.shape))
-    axes = spec[0] if spec and isinstance(spec[0], tuple) else spec[:1]
-    return int(np.prod([mesh.shape[a] for a in axes if a is not None]))
+    return pieces("batch", dict(mesh.shape))
 
 
 def local_batch_multiple(mesh: Mesh) -> int:

@@ -127,16 +127,20 @@ def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
     return jax.lax.with_sharding_constraint(x, logical_to_spec(names, x.shape, dict(mesh.shape)))
 
 
+def pieces(name: str, mesh_shape: dict[str, int], size: int | None = None) -> int:
+    """Into how many pieces a mesh of `mesh_shape` splits a dimension with logical axis `name`
+    (of `size`, where given: its mesh axes that do not divide it are left out)."""
+    spec = logical_to_spec([name], None if size is None else [size], mesh_shape)
+    axes = spec[0] if spec else None
+    axes = () if axes is None else (axes,) if isinstance(axes, str) else axes
+    return int(np.prod([mesh_shape[a] for a in axes]))
+
+
 def shards(name: str, size: int) -> int:
     """Into how many pieces the ambient mesh (`jax.set_mesh`) splits a dimension of `size` with
     logical axis `name` (1 without a mesh, or where its mesh axes do not divide `size`)."""
     mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty:
-        return 1
-    spec = logical_to_spec([name], [size], dict(mesh.shape))
-    axes = spec[0] if spec else None
-    axes = () if axes is None else (axes,) if isinstance(axes, str) else axes
-    return int(np.prod([mesh.shape[a] for a in axes]))
+    return 1 if mesh.empty else pieces(name, dict(mesh.shape), size)
 
 
 def put(x, sharding: NamedSharding) -> jax.Array:

@@ -252,22 +252,21 @@ SPREAD_COMPILE = r"""
 import json
 import jax, jax.numpy as jnp
 from flax import nnx
-from sem_jax.model import Qwen2, Qwen2Config
-from sem_jax.aot import cost, target_devices
+from sem_jax.model import Qwen2Config
+from sem_jax.aot import abstract_model, cost, target_devices
+from sem_jax.config import base_config
 from sem_jax.roofline import set_analysis_flags, weight_bytes, weight_shares
-from sem_jax.sharding import batch_sharding, make_mesh, named_sharding, tensor_groups
+from sem_jax.sharding import batch_sharding, make_mesh, tensor_groups
 set_analysis_flags()  # CMEM staging off: the bytes counted are HBM bytes
 devices = target_devices("v4:2x2x1")
 cfg = Qwen2Config(vocab_size=512, hidden_size=256, intermediate_size=2048, num_layers=2, num_heads=4,
                   num_kv_heads=2, head_dim=128, rope_theta=1e6)
+config = base_config()
+config.model.update(compute_dtype="bfloat16", remat="none")
 out = {}
 for spread in (False, True):
     mesh = tensor_groups(make_mesh(devices=devices), 2, spread)
-    graphdef, state = nnx.split(nnx.eval_shape(lambda: Qwen2(cfg, rngs=nnx.Rngs(0), param_dtype=jnp.bfloat16,
-                                                             dtype=jnp.bfloat16, scan_unroll=2)))
-    params = jax.tree.map(lambda v: v.replace(jax.ShapeDtypeStruct(
-        v.shape, v.dtype, sharding=named_sharding(mesh, v.get_metadata()["axes"], v.shape))),
-        state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+    _, graphdef, params = abstract_model(config, cfg, mesh, jnp.bfloat16, scan_unroll=2)
     with jax.set_mesh(mesh):
         init = jax.jit(lambda p: nnx.merge(graphdef, p).init_cache(8, 256)).lower(params).compile()
         cache = jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh),

@@ -200,7 +200,7 @@ def _prefill(graphdef, params, layers, prompts, lengths, key, *, group_size: int
     # process's groups on its own devices); decode and insert inherit this layout.
     rows = lambda x: constrain(x, ("batch",) + ("length",) * (x.ndim - 1))
     fields = {f.name: rows(getattr(state, f.name)) for f in dataclasses.fields(state)
-              if f.name not in ("cache", "key")}
+              if f.name not in ("cache", "key", "logits")}
     # The logits as the LM head leaves them, split over the vocabulary (whole, each device of a
     # tensor group held a float32 copy of every row's).
     fields["logits"] = constrain(state.logits, ("batch", "act_vocab"))
