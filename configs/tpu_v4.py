@@ -22,8 +22,8 @@ def get_config(size: str = "7b"):
     c.model.remat = "full"
     c.mesh.update(data=1, fsdp=-1, tensor=1)  # training: FSDP over every chip
     # Sampling: tensor-parallel groups of one host's 4 chips (7B has 4 KV heads, 14B 8: a group of
-    # 8 would span two hosts), each holding the bf16 attention weights and LM head whole between its
-    # chips; the MLP's weights split over every chip (each decode step gathers its rows instead).
+    # 8 would span two hosts), each holding the bf16 attention weights whole between its chips; the
+    # MLP's weights and the LM head split over every chip (each decode step gathers its rows instead).
     c.rollout.tensor = 4
     c.rollout.spread = True
     c.data.train_file = "/mnt/sem_jax/data/sem_train.jsonl"

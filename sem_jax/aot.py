@@ -294,7 +294,7 @@ def main(argv):
     if _CONFIG.value.rollout.tensor:
         label += f", rollout in tensor-parallel groups of {_CONFIG.value.rollout.tensor}"
         if _CONFIG.value.rollout.spread:
-            label += " (the MLP split over all of them)"
+            label += " (the MLP and LM head split over all of them)"
     if FLAGS.roofline:
         from sem_jax import roofline
         roofline.set_analysis_flags()

@@ -153,9 +153,9 @@ def build_mesh(config: ConfigDict, devices: Sequence | None = None) -> Mesh:
 
 def build_rollout_mesh(config: ConfigDict, mesh: Mesh) -> Mesh:
     """The sampler's mesh: `mesh` itself (rollout.tensor = 0) or its devices in tensor-parallel
-    groups of rollout.tensor (`sharding.tensor_groups`; rollout.spread: the MLP over all of them)."""
+    groups of rollout.tensor (`sharding.tensor_groups`; rollout.spread: the MLP and LM head over all of them)."""
     if config.rollout.spread and not config.rollout.tensor:
-        raise ValueError("rollout.spread splits the MLP over rollout.tensor's groups: set rollout.tensor too")
+        raise ValueError("rollout.spread splits the MLP and LM head over rollout.tensor's groups: set rollout.tensor too")
     return tensor_groups(mesh, config.rollout.tensor, config.rollout.spread) if config.rollout.tensor else mesh
 
 

@@ -84,9 +84,9 @@ def base_config() -> ConfigDict:
     # weights whole, split over it by tensor parallelism (resharded once per step): each decode step
     # reads a 1/T share of the weights where it is. T must divide each process's devices.
     c.rollout.tensor = 0
-    # With rollout.tensor: the MLP's weights (two thirds of a Qwen2.5's) split over every device,
-    # not one group's; each decode step gathers its rows over the groups for the MLP, a few MB
-    # sent in place of reading the weights (sharding.RULES).
+    # With rollout.tensor: the MLP's weights (two thirds of a Qwen2.5's) and an untied LM head split
+    # over every device, not one group's; each decode step gathers its rows over the groups for
+    # them, a few MB sent in place of reading the weights (sharding.RULES).
     c.rollout.spread = False
 
     # None: the protocol's own reward. `research` on the sem protocol is ReSearch's reward on SEM's

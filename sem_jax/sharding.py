@@ -26,13 +26,14 @@ AXIS_TYPES = (AxisType.Auto,) * len(MESH_AXES)
 # (heads, mlp, vocab) by tensor parallelism. Activations use their own names
 # (`act_*`) so that a parameter's FSDP axis is not forced onto activations,
 # whose batch axis already carries `data` and `fsdp`. On a mesh with a `groups` axis (the
-# sampler's spread layout) the MLP's weights are split over the groups as well as tensor, and the
-# rows entering the MLP (`mlp_rows`, where the model gathers them: a decode step) are whole on
-# every group: each device reads 1/(groups x tensor) of the MLP's weights, and the rows, far
-# fewer bytes, cross the interconnect instead (a 2-D weight-stationary layout).
+# sampler's spread layout) the MLP's and the LM head's weights are split over the groups as well
+# as tensor, and the rows meeting them (`spread_rows`, where the model gathers them: a decode
+# step, the LM head on each row's last token) are whole on every group: each device reads
+# 1/(groups x tensor) of those weights, and the rows, far fewer bytes, cross the interconnect
+# instead (a 2-D weight-stationary layout).
 RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("batch", ("data", "fsdp", "groups")),
-    ("mlp_rows", ("data", "fsdp")),
+    ("spread_rows", ("data", "fsdp")),
     ("length", None),
     ("cache_length", None),
     ("act_embed", None),
@@ -40,7 +41,9 @@ RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("act_kv_heads", "tensor"),
     ("act_mlp", ("tensor", "groups")),
     ("act_vocab", "tensor"),
+    ("act_head_vocab", ("tensor", "groups")),
     ("vocab", "tensor"),
+    ("head_vocab", ("tensor", "groups")),
     ("embed", "fsdp"),
     ("heads", "tensor"),
     ("kv_heads", "tensor"),

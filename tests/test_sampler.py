@@ -277,10 +277,10 @@ def test_tensor_parallel_layout_samples_as_the_training_mesh(tensor, per_layer, 
 
 
 def test_spread_layout_sends_the_rows_not_the_weights():
-    """A decode step in tensor-parallel pairs (8 devices: 4 groups of 2), the MLP's weights split
-    over the pairs or over all 8 (rollout.spread, a 2-D layout): the same logits; each device
-    reads fewer bytes by the 3/8 of the MLP's weights it no longer holds, and the interconnect
-    carries the step's rows (a few KB) instead, never the weights."""
+    """A decode step in tensor-parallel pairs (8 devices: 4 groups of 2), the MLP's and the LM
+    head's weights split over the pairs or over all 8 (rollout.spread, a 2-D layout): the same
+    logits; each device reads fewer bytes by the 3/8 of those weights it no longer holds, and the
+    interconnect carries the step's rows and logits (a few KB) instead, never the weights."""
     from flax import nnx
     from policies import Qwen2Config
 
@@ -304,10 +304,14 @@ def test_spread_layout_sends_the_rows_not_the_weights():
     (group, want), (spread, got) = runs[False], runs[True]
     np.testing.assert_allclose(got, want, atol=1e-5)
     mlp = cfg.num_layers * 3 * cfg.hidden_size * cfg.intermediate_size * 4  # float32 bytes
-    assert spread["bytes"] <= group["bytes"] - 0.9 * mlp * (1 / 2 - 1 / 8)
-    rows = cfg.num_layers * 8 * cfg.hidden_size * 4  # each layer's [8, E] rows entering the MLP
-    # (gathering the weights instead would send several times a device's own 1/8 share of them)
-    assert rows <= spread["ici"] - group["ici"] <= 4 * rows < 0.1 * mlp / 8
+    head = cfg.hidden_size * cfg.vocab_size * 4
+    assert spread["bytes"] <= group["bytes"] - 0.9 * (mlp + head) * (1 / 2 - 1 / 8)
+    # The [8, E] rows entering each layer's MLP and the head, and at most a device's share of the
+    # [8, V] float32 logits handed back to each group (gathering the weights instead would send
+    # several times a device's own 1/8 share of them).
+    rows = (cfg.num_layers + 1) * 8 * cfg.hidden_size * 4
+    logits = 8 * cfg.vocab_size * 4 / 2
+    assert rows <= spread["ici"] - group["ici"] <= 4 * rows + logits < 0.2 * (mlp + head) / 8
 
 
 def test_tensor_groups_refuse_what_does_not_divide():

@@ -281,18 +281,20 @@ print(json.dumps(out))
 
 def test_spread_layout_on_tpu_reads_its_share_of_the_mlp_and_sends_the_rows():
     """One decode step (8 rows, 2 layers, bf16) on 4 TPU devices in tensor-parallel pairs, the MLP
-    split over a pair or over all 4 (rollout.spread): the weights a device holds lose a quarter of
-    the MLP's, XLA's count of the step's bytes nearly all of that, and its collectives carry the
-    rows ([8, E], a few KB), not the 1.6 MB of MLP weights a device no longer holds."""
+    and the LM head split over a pair or over all 4 (rollout.spread): the weights a device holds
+    lose a quarter of theirs, XLA's count of the step's bytes nearly all of that, and its
+    collectives carry the rows ([8, E], a few KB) and logits, not the 1.7 MB of weights a device
+    no longer holds."""
     pytest.importorskip("libtpu", reason="jax[tpu] (libtpu) not installed: the compile-only TPU check is skipped")
     got = _tpu_script(SPREAD_COMPILE)
     group, spread = got["False"], got["True"]
     assert spread["mesh"] == {"groups": 2, "fsdp": 1, "tensor": 2} and group["mesh"]["data"] == 2
-    L, E, M, rows = 2, 256, 2048, 8
-    mlp = L * 3 * E * M * 2
-    assert group["weights"] - spread["weights"] == pytest.approx(mlp * (1 / 2 - 1 / 4))
-    assert group["bytes"] - spread["bytes"] >= 0.8 * mlp * (1 / 2 - 1 / 4)
-    assert 0 < spread["ici"] - group["ici"] <= L * 4 * rows * E * 2
+    L, E, M, V, rows = 2, 256, 2048, 512, 8
+    wide = L * 3 * E * M * 2 + E * V * 2  # the MLP and the head
+    assert group["weights"] - spread["weights"] == pytest.approx(wide * (1 / 2 - 1 / 4))
+    assert group["bytes"] - spread["bytes"] >= 0.8 * wide * (1 / 2 - 1 / 4)
+    # the rows into each MLP and the head; a device's share of the float32 logits
+    assert 0 < spread["ici"] - group["ici"] <= (L + 1) * 4 * rows * E * 2 + rows * V * 4 / 2
 
 
 DENSE_COMPILE = r"""

@@ -28,8 +28,11 @@ def test_rules_table():
     assert logical_to_spec(("layers", "embed", "mlp"), (3, 64, 96), spread) == P(None, None, ("tensor", "groups"))
     assert logical_to_spec(("layers", "embed", "mlp"), (3, 64, 100), spread) == P(None, None, "tensor")
     assert logical_to_spec(("batch", "length", "act_mlp"), (8, 1, 96), spread) == P("groups", None, "tensor")
-    assert logical_to_spec(("mlp_rows", "length", "act_mlp"), (8, 1, 96), spread) == P(None, None, ("tensor", "groups"))
-    assert logical_to_spec(("mlp_rows",), (8,), mesh) == logical_to_spec(("batch",), (8,), mesh)
+    assert logical_to_spec(("spread_rows", "length", "act_mlp"), (8, 1, 96), spread) == P(None, None, ("tensor", "groups"))
+    assert logical_to_spec(("spread_rows",), (8,), mesh) == logical_to_spec(("batch",), (8,), mesh)
+    assert logical_to_spec(("embed", "head_vocab"), (64, 256), spread) == P(None, ("tensor", "groups"))
+    assert logical_to_spec(("spread_rows", "act_head_vocab"), (8, 256), spread) == P(None, ("tensor", "groups"))
+    assert logical_to_spec(("embed", "head_vocab"), (64, 256), mesh) == logical_to_spec(("embed", "vocab"), (64, 256), mesh)
     assert logical_to_spec(("layers", "embed", "mlp"), (3, 64, 96), mesh) == P(None, "fsdp", "tensor")
     with pytest.raises(KeyError, match="nonsense"):
         logical_to_spec(("nonsense",))

@@ -121,7 +121,7 @@ def param_shapes(cfg: Qwen2Config) -> dict[str, tuple[tuple[int, ...], tuple[str
         out[f"layers.{name}"] = (shape, LAYER_PARAMS[name][0])
     out["final_norm"] = ((cfg.hidden_size,), ("embed",))
     if not cfg.tie_word_embeddings:
-        out["lm_head"] = ((cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"))
+        out["lm_head"] = ((cfg.hidden_size, cfg.vocab_size), ("embed", "head_vocab"))
     return out
 
 
@@ -271,8 +271,21 @@ class Qwen2(nnx.Module):
         """LM head on final (normed) hidden states [..., E] -> float32 logits [..., V]."""
         w = self.lm_head_weight()
         flat = hidden.reshape(-1, hidden.shape[-1])
+        n, v = flat.shape[0], w.shape[-1]
+        # An untied head on the sampler's spread mesh is split over the row groups too
+        # (`head_vocab`): there the rows, when they weigh less than a device's share of the head
+        # (one token per row: a decode step, the last token of a prefill or an insert), are
+        # gathered to every group; each device computes its slice of the vocabulary for all of
+        # them, and an all-to-all hands each group its own rows' logits, split over the
+        # vocabulary as everywhere else (`act_vocab`).
+        gather = (not self.config.tie_word_embeddings and n * shards("vocab", v) < v
+                  and shards("spread_rows", n) != shards("batch", n))
+        if gather:
+            flat = constrain(flat, ("spread_rows", "act_embed"))
         out = jnp.dot(flat, w, preferred_element_type=jnp.float32)
-        return out.reshape(*hidden.shape[:-1], w.shape[-1])
+        if gather:
+            out = constrain(constrain(out, ("spread_rows", "act_head_vocab")), ("batch", "act_vocab"))
+        return out.reshape(*hidden.shape[:-1], v)
 
     def lm_head_weight(self) -> jax.Array:
         """[E, V] output projection in the compute dtype (for chunked log-prob code)."""
@@ -524,8 +537,8 @@ class Qwen2(nnx.Module):
         # decode step gathers its rows to every group (a few MB) and reduce-scatters the output;
         # with many tokens (a prefill, an insert) the rows would outweigh the weights, which are
         # gathered instead.
-        gather = t == 1 and shards("mlp_rows", b) != shards("batch", b)
-        rows = "mlp_rows" if gather else "batch"
+        gather = t == 1 and shards("spread_rows", b) != shards("batch", b)
+        rows = "spread_rows" if gather else "batch"
         h = rms_norm(x, p["post_norm"], c.rms_norm_eps)
         if gather:
             h = constrain(h, (rows, "length", "act_embed"))

@@ -63,7 +63,7 @@ class SamplingConfig:
 @dataclasses.dataclass
 class SamplerState:
     cache: KVCache
-    logits: jax.Array      # [B, V] float32: next-token logits of each row
+    hidden: jax.Array      # [B, E] compute dtype: each row's final hidden state at its last token
     resp: jax.Array        # [B, R] int32: response tokens (sampled and inserted)
     resp_logprob: jax.Array  # [B, R] float32: sampler logprob (0 on inserted)
     resp_sampled: jax.Array  # [B, R] bool: True on sampled tokens
@@ -175,7 +175,9 @@ def _inverse_cdf(probs: jax.Array, key: jax.Array, width: int | None = None) -> 
 
 def _extend_last(model: Qwen2, layers, tokens, cache, n, window: int) -> tuple[jax.Array, KVCache]:
     """Append ragged tokens; the hidden state [B, E] at each row's last new token only (the LM
-    head over every prompt position would be ~40% of a small model's prefill)."""
+    head over every prompt position would be ~40% of a small model's prefill). The state carries
+    it, not its logits: the decode step applies the LM head just before sampling, so no [B, V]
+    float32 logits are kept in the state or selected between steps."""
     hidden, cache = model.hidden_states(tokens, cache=cache, num_new=n, window=window, layers=layers)
     return jnp.take_along_axis(hidden, jnp.maximum(n - 1, 0)[:, None, None], 1)[:, 0], cache
 
@@ -186,12 +188,11 @@ def _prefill(graphdef, params, layers, prompts, lengths, key, *, group_size: int
     p = prompts.shape[0]
     cache = model.init_cache(p, cache_len, cache_dtype, per_layer=layers is not None)
     last, cache = _extend_last(model, layers, prompts, cache, lengths, window=0)  # nothing to read yet
-    last = model.logits(last)
     # Each prompt is prefilled once; its cache is copied to its G group members.
     cache = cache.repeat_rows(group_size)
     b = p * group_size
     state = SamplerState(
-        cache=cache, logits=jnp.repeat(last, group_size, axis=0),
+        cache=cache, hidden=jnp.repeat(last, group_size, axis=0),
         resp=jnp.zeros((b, resp_len), jnp.int32), resp_logprob=jnp.zeros((b, resp_len), jnp.float32),
         resp_sampled=jnp.zeros((b, resp_len), bool), resp_len=jnp.zeros((b,), jnp.int32),
         num_sampled=jnp.zeros((b,), jnp.int32), stop_state=jnp.zeros((b,), jnp.int32), paused=jnp.zeros((b,), bool),
@@ -200,10 +201,7 @@ def _prefill(graphdef, params, layers, prompts, lengths, key, *, group_size: int
     # process's groups on its own devices); decode and insert inherit this layout.
     rows = lambda x: constrain(x, ("batch",) + ("length",) * (x.ndim - 1))
     fields = {f.name: rows(getattr(state, f.name)) for f in dataclasses.fields(state)
-              if f.name not in ("cache", "key", "logits")}
-    # The logits as the LM head leaves them, split over the vocabulary (whole, each device of a
-    # tensor group held a float32 copy of every row's).
-    fields["logits"] = constrain(state.logits, ("batch", "act_vocab"))
+              if f.name not in ("cache", "key")}
     k_axes, v_axes = cache_axes(cache.per_layer)
     kv = lambda c, axes: jax.tree.map(lambda x: constrain(x, axes), c)
     cache = KVCache(k=kv(state.cache.k, k_axes), v=kv(state.cache.v, v_axes), lengths=rows(state.cache.lengths))
@@ -216,7 +214,7 @@ def decode_step(model: Qwen2, layers, s: SamplerState, stop_table, eos_ids, *, c
     rows = jnp.arange(s.resp.shape[0])
     key, sub = jax.random.split(s.key)
     active = s.active
-    tok, logprob = sample_tokens(s.logits, sub, cfg)
+    tok, logprob = sample_tokens(model.logits(s.hidden), sub, cfg)
     at = jnp.where(active, s.resp_len, s.resp.shape[1])  # inactive rows write nowhere
     resp = s.resp.at[rows, at].set(tok, mode="drop")
     resp_logprob = s.resp_logprob.at[rows, at].set(logprob, mode="drop")
@@ -228,9 +226,10 @@ def decode_step(model: Qwen2, layers, s: SamplerState, stop_table, eos_ids, *, c
     eos = active & jnp.isin(tok, eos_ids)
     done = s.done | eos | (active & ((num_sampled >= cfg.max_new_tokens) | (resp_len >= s.resp.shape[1])))
     paused = s.paused | (active & ~done & ((code & 1) == 1))
-    logits, cache = model.extend(tok[:, None], s.cache, active.astype(jnp.int32), window=window, layers=layers)
+    hidden, cache = model.hidden_states(tok[:, None], cache=s.cache, num_new=active.astype(jnp.int32),
+                                        window=window, layers=layers)
     return SamplerState(
-        cache=cache, logits=jnp.where(active[:, None], logits[:, 0], s.logits), resp=resp,
+        cache=cache, hidden=jnp.where(active[:, None], hidden[:, 0], s.hidden), resp=resp,
         resp_logprob=resp_logprob, resp_sampled=resp_sampled, resp_len=resp_len, num_sampled=num_sampled,
         stop_state=stop_state, paused=paused, eos=s.eos | eos, done=done, key=key)
 
@@ -299,7 +298,7 @@ def _insert(graphdef, params, layers, state: SamplerState, ids, n, end_rows, *, 
     resp_len = state.resp_len + n
     got = n > 0
     return dataclasses.replace(
-        state, cache=cache, logits=jnp.where(got[:, None], model.logits(last), state.logits),
+        state, cache=cache, hidden=jnp.where(got[:, None], last, state.hidden),
         resp=state.resp.at[rows, cols].set(ids, mode="drop"),
         resp_logprob=state.resp_logprob.at[rows, cols].set(0.0, mode="drop"),
         resp_sampled=state.resp_sampled.at[rows, cols].set(False, mode="drop"),
