@@ -16,7 +16,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 MESH_AXES = ("data", "fsdp", "tensor")
 # The sampler's spread layout names its group axis `groups` (`tensor_groups(spread=True)`): the rows
-# are split over it as over `data`, and the MLP's weights too (see RULES).
+# are split over it as over `data`, and the MLP's and LM head's weights too (see RULES).
 SPREAD_AXES = ("groups", "fsdp", "tensor")
 # Auto axes: GSPMD propagates shardings; Explicit (the default of make_mesh) would reject the
 # gathers and einsums this model writes in plain jnp.
@@ -75,7 +75,8 @@ def tensor_groups(mesh: Mesh, tensor: int, spread: bool = False) -> Mesh:
     """`mesh`'s devices as a (data, 1, `tensor`) mesh: groups of `tensor` devices, each group one
     process's consecutive devices (its rows then stay on its own devices, `sem_jax.hosts`), which
     hold the weights whole between them, split by tensor parallelism (the sampler's layout).
-    `spread`: the group axis is `groups` (SPREAD_AXES), over which the MLP's weights are split too."""
+    `spread`: the group axis is `groups` (SPREAD_AXES), over which the MLP's and LM head's weights
+    are split too."""
     devices = sorted(mesh.devices.flat, key=lambda d: (d.process_index, d.id))
     if tensor < 1 or len(devices) % tensor:
         raise ValueError(f"rollout.tensor={tensor} must be >= 1 and divide the {len(devices)} devices")

@@ -125,6 +125,13 @@ def param_shapes(cfg: Qwen2Config) -> dict[str, tuple[tuple[int, ...], tuple[str
     return out
 
 
+def _gathers_rows(n: int) -> bool:
+    """Whether `n` rows are split over row groups that the spread weights (the MLP's, the LM
+    head's: `spread_rows` in sharding.RULES) are split over too, so that the rows must be gathered
+    to every group to meet them (only on the sampler's spread mesh)."""
+    return shards("spread_rows", n) != shards("batch", n)
+
+
 def _dense(x: jax.Array, p: dict[str, jax.Array], name: str) -> jax.Array:
     """A projection of x [N, *in] (the kernel's input dims) as one matmul over the N = batch *
     length rows (XLA's dot, and its transpose in the backward pass, is far faster than with two
@@ -278,8 +285,7 @@ class Qwen2(nnx.Module):
         # gathered to every group; each device computes its slice of the vocabulary for all of
         # them, and an all-to-all hands each group its own rows' logits, split over the
         # vocabulary as everywhere else (`act_vocab`).
-        gather = (not self.config.tie_word_embeddings and n * shards("vocab", v) < v
-                  and shards("spread_rows", n) != shards("batch", n))
+        gather = not self.config.tie_word_embeddings and n * shards("vocab", v) < v and _gathers_rows(n)
         if gather:
             flat = constrain(flat, ("spread_rows", "act_embed"))
         out = jnp.dot(flat, w, preferred_element_type=jnp.float32)
@@ -537,7 +543,7 @@ class Qwen2(nnx.Module):
         # decode step gathers its rows to every group (a few MB) and reduce-scatters the output;
         # with many tokens (a prefill, an insert) the rows would outweigh the weights, which are
         # gathered instead.
-        gather = t == 1 and shards("spread_rows", b) != shards("batch", b)
+        gather = t == 1 and _gathers_rows(b)
         rows = "spread_rows" if gather else "batch"
         h = rms_norm(x, p["post_norm"], c.rms_norm_eps)
         if gather:
