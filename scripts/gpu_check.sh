@@ -3,62 +3,101 @@
 #
 #   JAX_PLATFORMS=cuda OUT=/tmp/gpu_check bash scripts/gpu_check.sh
 #
+# In order of what it is for, each part under a time limit of its own (a part cut short leaves
+# what it printed in the log):
 # 1. environment: nvidia-smi, jax devices, package versions;
-# 2. scripts/bench_sampler.py at Qwen2.5-1.5B's shape in bf16, against HF `generate` on the same
-#    GPU (one rollout batch of configs/gpu.py: 80 rows), keeping the random-weight checkpoint;
-# 3. `python -m sem_jax.train --config configs/gpu.py` on that checkpoint with the real Qwen2.5
-#    tokenizer (built offline), the demo questions and a bm25s index built by scripts/build_index.py:
-#    a few GRPO steps at the config's real sizes (1024-token budget, G=5, 16 prompts, remat dots),
-#    a checkpoint, and greedy evaluation; then an HF export of the trained checkpoint;
-# 4. `sem_jax.aot --roofline` for that config on this GPU: XLA's counts per call and the predicted
-#    step, beside the measured one (scripts/roofline_vs_measured.py).
-# Knobs (for a CPU rehearsal): SHAPE, DTYPE, STEPS, TRAIN_ARGS, REPEATS, CHIP, HBM_GIB.
+# 2. `sem_jax.aot --roofline --measure` for configs/gpu.py (Qwen2.5-1.5B's shape, random weights):
+#    every call of a GRPO step compiled for this GPU, XLA's counts and the predicted times, then
+#    each call run and timed here, measured beside predicted (roofline.json, the table in the log);
+# 3. `python -m sem_jax.train --config configs/gpu.py` on a random-weight 1.5B checkpoint with the
+#    real Qwen2.5 tokenizer (built offline), the demo questions and a bm25s index built by
+#    scripts/build_index.py: STEPS GRPO steps at the config's sizes and a checkpoint; the measured
+#    steps beside the predicted ones (scripts/roofline_vs_measured.py);
+# 4. scripts/bench_sampler.py --quick at Qwen2.5-1.5B's shape in bf16 against HF `generate` on the
+#    same GPU (one rollout batch of configs/gpu.py: 80 rows);
+# 5. an HF export of the trained checkpoint.
+# Everything lands in $OUT: gpu_check.log, roofline.json, train_metrics.jsonl,
+# measured_vs_predicted.md, bench_sampler.json. Knobs (a CPU rehearsal: SHAPE=tiny, a small
+# TRAIN_ARGS): SHAPE, PRESET, DTYPE, STEPS, REPEATS, TRAIN_ARGS, CHIP, HBM_GIB, *_TIMEOUT, and PARTS
+# (default "env roofline train bench export": a subset runs those alone, appending to the log).
 set -uo pipefail
 OUT=${OUT:-/tmp/gpu_check}
 SHAPE=${SHAPE:-qwen2.5-1.5b}
+PRESET=${PRESET:-qwen2.5-1.5b}  # the architecture trained and measured (configs/gpu.py's)
 DTYPE=${DTYPE:-bfloat16}
 STEPS=${STEPS:-3}
-REPEATS=${REPEATS:-2}
+REPEATS=${REPEATS:-3}
 TRAIN_ARGS=${TRAIN_ARGS:-}
 WORK=${WORK:-/tmp/sem_gpu}
 export PYTHONUNBUFFERED=1
 PY=${PY:-python3}
 mkdir -p "$OUT" "$WORK"
+PARTS=${PARTS:-env roofline train bench export}
+LOG="$OUT/gpu_check.log"
+log() { tee -a "$LOG"; }
+part() { echo "== $* ($(date +%T))" | log; }
+wants() { [[ " $PARTS " == *" $1 "* ]]; }
 DEMO=$($PY -c 'from sem_jax.data.questions import DEMO_DIR; print(DEMO_DIR)')
 
-echo "== environment" | tee "$OUT/env.txt"
+if wants env; then
+part environment
 { nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv 2>&1 || true
   $PY - <<'EOF'
 import importlib.metadata as md, jax
 print("jax devices:", jax.devices())
-for p in ("jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "transformers", "torch", "bm25s"):
+for p in ("jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "transformers", "torch", "bm25s", "ml_collections"):
     try:
         print(p, md.version(p))
     except md.PackageNotFoundError:
         print(p, "missing")
 EOF
-} 2>&1 | tee -a "$OUT/env.txt"
+} 2>&1 | log
+fi
 
-echo "== sampler vs HF generate ($SHAPE, $DTYPE)"
-timeout ${BENCH_TIMEOUT:-200} $PY scripts/bench_sampler.py --shapes "$SHAPE" --dtype "$DTYPE" --repeats "$REPEATS" \
-    --save-model "$WORK/model" --out "$OUT/bench_sampler.json" 2>&1 | tee "$OUT/bench_sampler.log"
+if wants roofline; then
+part "roofline: every call of configs/gpu.py compiled for this device, then run and timed"
+timeout "${ROOFLINE_TIMEOUT:-300}" $PY -m sem_jax.aot --config configs/gpu.py --roofline --measure \
+    --repeats "$REPEATS" --hbm_gib "${HBM_GIB:-141}" ${CHIP:+--chip "$CHIP"} --json "$OUT/roofline.json" \
+    --config.model.preset="$PRESET" $TRAIN_ARGS 2>&1 | log
+fi
 
-echo "== train configs/gpu.py ($STEPS steps)"
-$PY -c "from sem_jax.model.tokenizer import build_qwen25_tokenizer as b; b().save_pretrained('$WORK/model')"
-$PY scripts/build_index.py --corpus "$DEMO/corpus.jsonl" --out "$WORK/index" 2>&1 | tail -2
+if wants train; then
+part "train configs/gpu.py ($STEPS steps) on random weights"
+$PY - "$WORK/model" "$PRESET" "$DTYPE" <<'EOF' 2>&1 | log
+import sys
+import jax.numpy as jnp
+from flax import nnx
+from sem_jax.model import Qwen2, save_pretrained
+from sem_jax.model.presets import preset
+from sem_jax.model.tokenizer import build_qwen25_tokenizer
+path, name, dtype = sys.argv[1], sys.argv[2], jnp.dtype(sys.argv[3])
+model = Qwen2(preset(name), rngs=nnx.Rngs(0), param_dtype=dtype, dtype=dtype)
+save_pretrained(model, path, dtype=dtype)
+build_qwen25_tokenizer().save_pretrained(path)
+print(f"random-weight {name} and the real tokenizer in {path}")
+EOF
+$PY scripts/build_index.py --corpus "$DEMO/corpus.jsonl" --out "$WORK/index" 2>&1 | tail -2 | log
 rm -rf "$WORK/run"
-timeout ${TRAIN_TIMEOUT:-270} $PY -m sem_jax.train --config configs/gpu.py --config.run_dir="$WORK/run" \
+timeout "${TRAIN_TIMEOUT:-180}" $PY -m sem_jax.train --config configs/gpu.py --config.run_dir="$WORK/run" \
     --config.model.path="$WORK/model" --config.retrieval.index_dir="$WORK/index" \
     --config.data.train_file="$DEMO/train.jsonl" --config.data.eval_file="$DEMO/eval.jsonl" \
-    --config.train.total_steps="$STEPS" --config.train.ckpt_every="$STEPS" $TRAIN_ARGS 2>&1 | tee "$OUT/train.log"
+    --config.train.total_steps="$STEPS" --config.train.ckpt_every="$STEPS" --config.train.eval_at_start=False \
+    --config.model.preset="$PRESET" $TRAIN_ARGS 2>&1 | log
 cp "$WORK/run/metrics.jsonl" "$OUT/train_metrics.jsonl" 2>/dev/null || true
-
-echo "== roofline: the same config's calls compiled for this GPU, predicted beside the steps measured above"
-timeout ${ROOFLINE_TIMEOUT:-300} $PY -m sem_jax.aot --config configs/gpu.py --roofline --hbm_gib "${HBM_GIB:-141}" \
-    --json "$OUT/roofline.json" --config.model.path="$WORK/model" $TRAIN_ARGS 2>&1 | tee "$OUT/roofline.log"
 $PY scripts/roofline_vs_measured.py "$OUT/roofline.json" "$OUT/train_metrics.jsonl" --chip "${CHIP:-H200}" \
-    --out "$OUT/measured_vs_predicted.md" 2>&1 | tee -a "$OUT/roofline.log"
+    --out "$OUT/measured_vs_predicted.md" 2>&1 | log
+fi
 
-echo "== export"
-timeout 90 $PY -m sem_jax.export --checkpoint "$WORK/run/ckpt" --out "$WORK/export" 2>&1 | tail -3 | tee "$OUT/export.log"
-ls -la "$WORK/export" 2>&1 | tee -a "$OUT/export.log"
+if wants bench; then
+part "sampler vs HF generate ($SHAPE, $DTYPE)"
+timeout "${BENCH_TIMEOUT:-120}" $PY scripts/bench_sampler.py --quick --shapes "$SHAPE" --dtype "$DTYPE" \
+    --repeats 2 --out "$OUT/bench_sampler.json" 2>&1 | log
+fi
+
+if wants export; then
+part export
+timeout "${EXPORT_TIMEOUT:-60}" $PY -m sem_jax.export --checkpoint "$WORK/run/ckpt" --out "$WORK/export" 2>&1 \
+    | tail -3 | log
+ls -la "$WORK/export" 2>&1 | log
+fi
+part done

@@ -1,11 +1,14 @@
-"""Measured step times of a training run beside the roofline's prediction for the same config.
+"""Measured times beside the roofline's prediction for the same config.
 
-    python -m sem_jax.aot --config configs/gpu.py --roofline --hbm_gib 141 --json roofline.json
+    python -m sem_jax.aot --config configs/gpu.py --roofline --measure --hbm_gib 141 --json roofline.json
     python scripts/roofline_vs_measured.py roofline.json RUN_DIR/metrics.jsonl --chip H200 [--out FILE]
 
-Medians over the training steps after the first (which compiles). The predicted rollout is an
-upper bound (every row samples its whole budget at the full window, every search inserts); the
-measured one also holds the host's work (retrieval, parsing) and ends when the last row does.
+When the roofline's JSON holds calls measured on a device (`--measure`), their table first, set
+again beside the prediction from XLA's counts and the floor from the ideal ones. Then a training
+run's steps: medians over the steps after the first (which compiles), beside the predicted
+step and its floor. The predicted rollout is an upper bound (every row samples its whole budget at
+the full window, every search inserts); the measured one also holds the host's work (retrieval,
+parsing), ends when the last row does and runs on the batch's own lengths.
 """
 
 from __future__ import annotations
@@ -15,19 +18,26 @@ import json
 import statistics
 import sys
 
-ROWS = (("rollout", "time/rollout", "rollout_s"), ("update", "time/update", "update_s"),
-        ("step", "time/step", "step_s"))
+from sem_jax.measure import compare as compare_calls
+from sem_jax.measure import report as report_calls
+from sem_jax.roofline import CHIPS, Call
+
+ROWS = (("rollout", "time/rollout"), ("update", "time/update"), ("step", "time/step"))
 
 
-def compare(roofline: dict, metrics: list[dict], chip: str) -> list[tuple[str, float, float]]:
-    """(part, measured s, predicted s) for the rollout, the update and the whole step."""
+def compare(roofline: dict, metrics: list[dict], chip: str) -> list[tuple[str, float, float, float]]:
+    """(part, measured s, predicted s, floor s) for the rollout, the update and the whole step."""
     if chip not in roofline["chips"]:
         raise ValueError(f"--chip {chip!r}: the roofline predicts {sorted(roofline['chips'])}")
     steps = [m for m in metrics if m.get("split") == "train"][1:]
     if not steps:
         raise ValueError("no training step after the first (compiling) one in the metrics")
     predicted = roofline["chips"][chip]
-    return [(part, statistics.median(m[key] for m in steps), predicted[pred]) for part, key, pred in ROWS]
+    floor = {"rollout": 0.0, "update": 0.0}
+    for c in map(lambda c: Call(**c), roofline["calls"]):
+        floor[c.part] += c.per_step * c.floor(CHIPS[chip])
+    floor["step"] = floor["rollout"] + floor["update"]
+    return [(part, statistics.median(m[key] for m in steps), predicted[f"{part}_s"], floor[part]) for part, key in ROWS]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -35,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("roofline", help="JSON written by `python -m sem_jax.aot --roofline --json`")
     ap.add_argument("metrics", help="a run's metrics.jsonl")
     ap.add_argument("--chip", required=True, help="the roofline's chip the run ran on (e.g. H200)")
-    ap.add_argument("--out", help="also write the table here (markdown)")
+    ap.add_argument("--out", help="also write the step table here (markdown)")
     args = ap.parse_args(argv)
     with open(args.roofline) as fh:
         roofline = json.load(fh)
@@ -46,8 +56,15 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    lines = [f"| part | measured s | predicted s ({args.chip}) | measured / predicted |", "|---|---|---|---|"]
-    lines += [f"| {part} | {got:.3f} | {want:.3f} | {got / want:.2f} |" for part, got, want in rows]
+    if "measured" in roofline:
+        calls, m = [Call(**c) for c in roofline["calls"]], roofline["measured"]
+        report_calls(calls, compare_calls(calls, m["runs"], args.chip, CHIPS[args.chip]),
+                     f"{m['device_kind']} ({m.get('devices', 1)} device(s))")
+        print(f"\na training run's steps on the batches it made, beside the roofline's for {args.chip}")
+    lines = [f"| part | measured s | predicted s ({args.chip}) | measured / predicted | floor s | measured / floor |",
+             "|---|---|---|---|---|---|"]
+    lines += [f"| {part} | {got:.3f} | {want:.3f} | {got / want:.2f} | {low:.3f} | {got / low:.2f} |"
+              for part, got, want, low in rows]
     text = "\n".join(lines)
     print(text)
     if args.out:

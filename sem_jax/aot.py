@@ -279,6 +279,11 @@ def define_flags():
     flags.DEFINE_bool("roofline", False, "Instead of the fit check: XLA's FLOPs and bytes per call against the "
                       "ideal, and predicted times per chip (sem_jax.roofline)")
     flags.DEFINE_string("json", None, "With --roofline: also write its figures to this JSON file")
+    flags.DEFINE_bool("measure", False, "With --roofline: also run each call on the local devices and time it, "
+                      "beside the prediction (sem_jax.measure)")
+    flags.DEFINE_integer("repeats", 3, "With --measure: timed runs per call (after one that compiles)")
+    flags.DEFINE_string("chip", None, "With --measure: the roofline's chip to set the times beside (default: "
+                        "from the device kind)")
 
 
 FLAGS = flags.FLAGS
@@ -300,9 +305,21 @@ def main(argv):
         roofline.set_analysis_flags()
         config = _CONFIG.value
         devices = target_devices(FLAGS.topology)
-        calls, shapes = roofline.analyse(config, devices, model_config(config))
+        calls, shapes, programs = roofline.analyse(config, devices, model_config(config))
         data = roofline.report(calls, shapes, label, hbm_per_device(devices, FLAGS.hbm_gib),
                                config.rollout.group_size)
+        if FLAGS.measure:
+            from sem_jax import measure
+            if FLAGS.topology:
+                raise app.UsageError("--measure runs the calls on the local devices: drop --topology")
+            chip = FLAGS.chip or measure.chip_of(devices[0].device_kind)
+            if chip is not None and chip not in roofline.CHIPS:
+                raise app.UsageError(f"--chip {chip!r}: the roofline knows {sorted(roofline.CHIPS)}")
+            print(f"\nrunning each call on {devices[0].device_kind}: one run to compile, then {FLAGS.repeats} timed")
+            runs = measure.run(programs, FLAGS.repeats)
+            data["measured"] = measure.compare(calls, runs, chip, roofline.CHIPS.get(chip))
+            data["measured"].update(device_kind=devices[0].device_kind, devices=len(devices), runs=runs)
+            measure.report(calls, data["measured"], f"{devices[0].device_kind} ({len(devices)} device(s))")
         if FLAGS.json:
             roofline.write_json(data, FLAGS.json)
         return

@@ -1,0 +1,186 @@
+"""The roofline's calls run on the local devices and timed: measured beside predicted.
+
+    python -m sem_jax.aot --config configs/gpu.py --roofline --measure [--chip H200] [--json FILE]
+
+`sem_jax.roofline.analyse` names, for each call it counts, the program a step runs (loops rolled)
+and its abstract arguments (`Program`). Here every argument gets a value on the devices it is
+placed on (the weights random, token ids random, lengths full: shapes are static, so the work
+done does not depend on the values), each program runs once to compile, then `repeats` times,
+and the median wall time (to `block_until_ready`) is the measurement. The decode step is timed
+as the sampler's own decode loop running `Program.steps` steps, divided by them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+
+@dataclasses.dataclass(frozen=True)
+class Filled:
+    """An integer argument with one value throughout (a length, a count, a window's start)."""
+    like: jax.ShapeDtypeStruct
+    value: int
+
+
+@dataclasses.dataclass
+class Program:
+    """One call as a GRPO step makes it."""
+    fn: Callable                  # the jitted function (static arguments passed as the step passes them)
+    args: tuple                   # abstract arrays (ShapeDtypeStruct leaves), None, or static values
+    kwargs: dict
+    mesh: Any                     # the mesh the call runs under (`jax.set_mesh`)
+    vocab: int = 1                # integer leaves not `Filled`: token ids drawn below this
+    state_from: dict[int, str] = dataclasses.field(default_factory=dict)  # argument -> the program whose output it is
+    donated: tuple[int, ...] = ()  # arguments the call consumes: a fresh copy for each run
+    steps: int = 1                # the roofline's units per call (decode steps per loop)
+    check: Callable | None = None  # output -> an error text, or None: that the call did its whole work
+
+
+def _leaf_value(leaf, key, vocab: int):
+    value = None
+    if isinstance(leaf, Filled):
+        leaf, value = leaf.like, leaf.value
+    if not isinstance(leaf, jax.ShapeDtypeStruct):
+        return leaf
+    shape, dtype, sharding = leaf.shape, leaf.dtype, leaf.sharding
+    if jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
+        make = lambda k: k  # noqa: E731
+    elif jnp.issubdtype(dtype, jnp.floating):  # |N(0, 0.02)|: weights, moments (>= 0), masks, log-probs alike
+        make = lambda k: jnp.abs(0.02 * jax.random.normal(k, shape, jnp.float32)).astype(dtype)  # noqa: E731
+    elif jnp.issubdtype(dtype, jnp.integer):
+        make = ((lambda k: jnp.full(shape, value, dtype)) if value is not None  # noqa: E731
+                else (lambda k: jax.random.randint(k, shape, 0, vocab, dtype)))
+    elif dtype == jnp.bool_:
+        make = lambda k: jnp.zeros(shape, bool)  # noqa: E731
+    else:
+        raise TypeError(f"no value for an argument of dtype {dtype}")
+    return jax.jit(make, out_shardings=sharding)(key)
+
+
+def concrete(tree, key, vocab: int = 1):
+    """`tree` with every ShapeDtypeStruct (or `Filled`) replaced by an array of its shape, dtype
+    and sharding: floats |N(0, 0.02)|, integers token ids below `vocab` (or the `Filled` value),
+    booleans False."""
+    leaves, treedef = jax.tree.flatten(tree, is_leaf=lambda x: isinstance(x, Filled))
+    keys = jax.random.split(key, max(len(leaves), 1))
+    return jax.tree.unflatten(treedef, [_leaf_value(x, k, vocab) for x, k in zip(leaves, keys)])
+
+
+def _copy(tree):
+    return jax.tree.map(lambda x: jnp.copy(x) if isinstance(x, jax.Array) else x, tree)
+
+
+def run(programs: dict[str, Program], repeats: int = 3, log: Callable[[str], None] = print) -> dict[str, dict]:
+    """Each program compiled once, then timed `repeats` times: {name: {ms (per unit), runs_ms, compile_s}}."""
+    if jax.process_count() > 1:
+        raise ValueError("measuring runs the calls on this process's devices alone: run it with one process")
+    outputs, out, made = {}, {}, {}  # made: one value per abstract argument (the weights shared by calls)
+    needed = {src for p in programs.values() for src in p.state_from.values()}
+    key = jax.random.key(0)
+    for name, p in programs.items():
+        with jax.set_mesh(p.mesh):
+            args = []
+            for i, a in enumerate(p.args):
+                if i in p.state_from:
+                    args.append(outputs[p.state_from[i]])
+                    continue
+                if id(a) not in made:
+                    key, sub = jax.random.split(key)
+                    made[id(a)] = (a, concrete(a, sub, p.vocab))  # `a` kept: its id stays its own
+                args.append(made[id(a)][1])
+            # A donated argument is consumed by the call: each run gets a copy of its own (not timed).
+            fresh = lambda: [_copy(a) if i in p.donated else a for i, a in enumerate(args)]  # noqa: E731
+            t0 = time.perf_counter()
+            result = jax.block_until_ready(p.fn(*fresh(), **p.kwargs))
+            compile_s = time.perf_counter() - t0
+            if p.check and (err := p.check(result)):
+                raise RuntimeError(f"{name}: {err}")
+            if name in needed:  # others' outputs are dropped: device memory for the calls after
+                outputs[name] = result
+            del result
+            runs = []
+            for _ in range(repeats):
+                run_args = jax.block_until_ready(fresh())
+                t0 = time.perf_counter()
+                jax.block_until_ready(p.fn(*run_args, **p.kwargs))
+                runs.append(time.perf_counter() - t0)
+                del run_args
+        ms = 1e3 * statistics.median(runs) / p.steps
+        out[name] = dict(ms=ms, runs_ms=[1e3 * r / p.steps for r in runs], compile_s=compile_s, steps=p.steps)
+        log(f"  measured {name}: {ms:.3f} ms per {'step' if p.steps > 1 else 'call'} "
+            f"(median of {repeats}; compile and first run {compile_s:.1f} s)")
+    return out
+
+
+# jax's device kinds, by the CHIPS entry each is (the longest name that a kind holds wins).
+KINDS = {"tpu v4": "v4", "tpu v5 lite": "v5e", "tpu v5": "v5p", "tpu v6 lite": "v6e", "h100": "H100", "h200": "H200"}
+
+
+def chip_of(device_kind: str) -> str | None:
+    """The CHIPS entry for a jax device kind ('NVIDIA H200', 'TPU v5 lite', ...), or None."""
+    kind = device_kind.lower()
+    hits = [k for k in KINDS if k in kind]
+    return KINDS[max(hits, key=len)] if hits else None
+
+
+def compare(calls: list, measured: dict[str, dict], chip_name: str | None, chip=None) -> dict:
+    """Per call (`roofline.Call`): measured ms and the FLOP/s and bytes/s XLA's counts imply; with a
+    chip (`roofline.Chip`) the prediction from XLA's counts and the floor from the ideal ones (the
+    model's FLOPs and bytes at the chip's peaks), each against the measurement, and the MFU and
+    bandwidth utilisation measured; the step from its calls."""
+    rows, step = {}, {"measured_s": 0.0, "predicted_s": 0.0, "floor_s": 0.0}
+    for c in calls:
+        sec = measured[c.name]["ms"] / 1e3
+        row = dict(ms=1e3 * sec, xla_tflops=c.flops / sec / 1e12, xla_gbps=c.bytes / sec / 1e9,
+                   xla_counts_all=not c.undercounted)
+        step["measured_s"] += c.per_step * sec
+        if chip:
+            pred, floor = c.seconds(chip), c.floor(chip)
+            step["predicted_s"] += c.per_step * pred
+            step["floor_s"] += c.per_step * floor
+            row.update(predicted_ms=1e3 * pred, ratio=sec / pred if pred else float("nan"), bound=c.bound(chip),
+                       floor_ms=1e3 * floor, over_floor=sec / floor if floor else float("nan"),
+                       mfu=c.ideal_flops / (sec * chip.flops), bandwidth=c.ideal_bytes / (sec * chip.hbm))
+        rows[c.name] = row
+    return dict(chip=chip_name, calls=rows, step=step)
+
+
+def report(calls: list, cmp: dict, device: str) -> None:
+    """Print `compare`'s table for calls measured on `device` (words)."""
+    chip = cmp["chip"]
+    print(f"\nmeasured on {device}, beside the roofline"
+          + (f" for {chip}" if chip else " (no chip in the roofline's table for this device: pass --chip)"))
+    head = "| call | per step | measured ms |"
+    if chip:
+        head += (f" predicted ms ({chip}, XLA's counts) | measured / predicted | floor ms (ideal counts) |"
+                 " measured / floor | MFU | BW |")
+    else:
+        head += " XLA's TFLOP/s | XLA's GB/s |"
+    print(head)
+    print("|" + "---|" * (head.count("|") - 1))
+    for c in calls:
+        r = cmp["calls"][c.name]
+        line = f"| {c.name} | {c.per_step} | {r['ms']:.3f} |"
+        if chip:
+            mark = "" if r["xla_counts_all"] else " *"
+            line += (f" {r['predicted_ms']:.3f}{mark} | {r['ratio']:.2f} | {r['floor_ms']:.3f} | {r['over_floor']:.2f} |"
+                     f" {r['mfu']:.0%} | {r['bandwidth']:.0%} |")
+        else:
+            line += f" {r['xla_tflops']:.1f} | {r['xla_gbps']:.0f} |"
+        print(line)
+    s = cmp["step"]
+    text = f"step from its calls: {s['measured_s']:.2f} s measured"
+    if chip:
+        text += (f", {s['predicted_s']:.2f} s predicted ({s['measured_s'] / s['predicted_s']:.2f}x), "
+                 f"{s['floor_s']:.2f} s at the floor ({s['measured_s'] / s['floor_s']:.2f}x)")
+    print(text + " (every row sampling its whole budget at the full window, every search inserting; no host work)")
+    if chip and not all(r["xla_counts_all"] for r in cmp["calls"].values()):
+        print("* XLA's FLOP count for this program is under half the model's: it misses work handed to libraries "
+              "(XLA:GPU counts no cuBLAS gemm), so the prediction from it is no bound; the floor is one")

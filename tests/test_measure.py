@@ -1,0 +1,125 @@
+"""Measured beside predicted (`sem_jax.measure`, `sem_jax.aot --roofline --measure`)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec
+
+from sem_jax.measure import Filled, Program, chip_of, compare, concrete, run
+from sem_jax.roofline import CHIPS, Call
+from sem_jax.sharding import make_mesh
+from subprocs import cpu_env
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_concrete_values_keep_shape_dtype_and_sharding():
+    mesh = make_mesh(data=1, fsdp=-1, tensor=1)
+    rows = NamedSharding(mesh, PartitionSpec(("data", "fsdp")))
+    tree = {"w": jax.ShapeDtypeStruct((16, 4), jnp.bfloat16, sharding=rows),
+            "tokens": jax.ShapeDtypeStruct((16, 3), jnp.int32, sharding=rows),
+            "lengths": Filled(jax.ShapeDtypeStruct((16,), jnp.int32, sharding=rows), 7),
+            "done": jax.ShapeDtypeStruct((16,), jnp.bool_, sharding=rows), "graph": "static", "none": None}
+    got = concrete(tree, jax.random.key(0), vocab=50)
+    for name in ("w", "tokens", "done"):
+        assert got[name].shape == tree[name].shape and got[name].dtype == tree[name].dtype
+        assert got[name].sharding.is_equivalent_to(rows, got[name].ndim), name
+    w = np.asarray(got["w"], np.float32)
+    assert (w >= 0).all() and w.std() > 0 and w.max() < 0.2  # |N(0, 0.02)|
+    tokens = np.asarray(got["tokens"])
+    assert tokens.min() >= 0 and tokens.max() < 50 and len(np.unique(tokens)) > 10
+    assert (np.asarray(got["lengths"]) == 7).all() and got["lengths"].sharding.is_equivalent_to(rows, 1)
+    assert not np.asarray(got["done"]).any()
+    assert got["graph"] == "static" and got["none"] is None
+
+
+def test_run_times_each_program_with_fresh_donated_arguments_and_checks_it():
+    mesh = make_mesh(data=1, fsdp=-1, tensor=1)
+    a = jax.ShapeDtypeStruct((64, 64), jnp.float32)
+    first = jax.jit(lambda x, n: (x * 2, n))
+    # Consumes its first argument: every timed run needs a copy of its own (a donated buffer
+    # cannot be passed twice), and takes it from `first`'s output.
+    second = jax.jit(lambda s, y: (s[0] @ y, s[1] + 1), donate_argnums=0)
+    counts = Filled(jax.ShapeDtypeStruct((), jnp.int32), 4)
+    programs = {"first": Program(first, (a, counts), {}, mesh),
+                "second": Program(second, (None, a), {}, mesh, state_from={0: "first"}, donated=(0,), steps=4,
+                                  check=lambda out: None if int(out[1]) == 5 else f"counted {int(out[1])}")}
+    lines = []
+    got = run(programs, repeats=3, log=lines.append)
+    assert set(got) == {"first", "second"} and len(lines) == 2
+    for name, steps in (("first", 1), ("second", 4)):
+        r = got[name]
+        assert r["steps"] == steps and len(r["runs_ms"]) == 3 and min(r["runs_ms"]) > 0
+        assert r["ms"] == pytest.approx(sorted(r["runs_ms"])[1])  # the median, per step
+    bad = dict(programs, second=Program(second, (None, a), {}, mesh, state_from={0: "first"}, donated=(0,),
+                                        check=lambda out: "stopped early"))
+    with pytest.raises(RuntimeError, match="second: stopped early"):
+        run(bad, repeats=1, log=lambda _: None)
+
+
+def test_compare_against_a_hand_computed_table():
+    chip = CHIPS["H200"]
+    calls = [Call("decode", 100, flops=1e9, bytes=4.8e9, ideal_flops=0.5e9, ideal_bytes=2.4e9),
+             Call("update", 2, flops=989e12, bytes=1e9, ideal_flops=400e12, ideal_bytes=0.0, part="update",
+                  remat_flops=494.5e12),
+             # XLA counted a tenth of the model's FLOPs (a GPU program's cuBLAS gemms are not in it)
+             Call("prefill", 1, flops=98.9e12, bytes=0.0, ideal_flops=989e12, ideal_bytes=4.8e9)]
+    measured = {"decode": {"ms": 2.0}, "update": {"ms": 4000.0}, "prefill": {"ms": 2000.0}}
+    cmp = compare(calls, measured, "H200", chip)
+    d, u, p = (cmp["calls"][k] for k in ("decode", "update", "prefill"))
+    # decode: XLA's 4.8 GB at 4.8 TB/s is 1 ms predicted (memory-bound); the ideal 2.4 GB, 0.5 ms
+    assert d["predicted_ms"] == pytest.approx(1.0) and d["ratio"] == pytest.approx(2.0) and d["bound"] == "memory"
+    assert d["floor_ms"] == pytest.approx(0.5) and d["over_floor"] == pytest.approx(4.0)
+    assert d["bandwidth"] == pytest.approx(2.4e9 / 2e-3 / 4.8e12) and d["xla_gbps"] == pytest.approx(2400)
+    # update: 989 TFLOP counted is 1 s predicted; the floor is the remat policy's 494.5 TFLOP, 0.5 s;
+    # MFU by the model's 400 TFLOP in 4 s
+    assert u["predicted_ms"] == pytest.approx(1000) and u["ratio"] == pytest.approx(4.0)
+    assert u["floor_ms"] == pytest.approx(500) and u["over_floor"] == pytest.approx(8.0)
+    assert u["mfu"] == pytest.approx(400 / 989 / 4) and u["xla_tflops"] == pytest.approx(989 / 4)
+    assert d["xla_counts_all"] and u["xla_counts_all"] and not p["xla_counts_all"]
+    assert p["predicted_ms"] == pytest.approx(100) and p["floor_ms"] == pytest.approx(1000)
+    assert cmp["step"] == pytest.approx({"measured_s": 100 * 2e-3 + 2 * 4.0 + 2.0,
+                                         "predicted_s": 100 * 1e-3 + 2 * 1.0 + 0.1,
+                                         "floor_s": 100 * 0.5e-3 + 2 * 0.5 + 1.0})
+    bare = compare(calls, measured, None)
+    assert "predicted_ms" not in bare["calls"]["decode"] and bare["step"]["measured_s"] == cmp["step"]["measured_s"]
+
+
+def test_chip_of_device_kinds():
+    assert [chip_of(k) for k in ("NVIDIA H200", "NVIDIA H100 80GB HBM3", "TPU v4", "TPU v5 lite", "TPU v5",
+                                 "TPU v6 lite", "cpu")] == ["H200", "H100", "v4", "v5e", "v5p", "v6e", None]
+
+
+def test_aot_measure_runs_every_call_of_the_roofline(tmp_path):
+    """The CLI path scripts/gpu_check.sh runs on a GPU, here on 2 CPU devices: each call the
+    roofline counts is run and timed (the decode loop for all its steps), set beside a chip's
+    prediction and floor."""
+    out = tmp_path / "roofline.json"
+    run_ = subprocess.run(
+        [sys.executable, "-m", "sem_jax.aot", "--config", "configs/cpu.py", "--roofline", "--measure",
+         "--repeats=2", "--chip=v4", "--hbm_gib=16", f"--json={out}", "--config.data.max_prompt_tokens=64",
+         "--config.rollout.max_new_tokens=16", "--config.data.prompts_per_step=2", "--config.rollout.group_size=2",
+         "--config.rl.micro_batch=4", "--config.retrieval.top_k=1", "--config.retrieval.max_tokens_per_passage=16",
+         "--config.rollout.max_searches=1", "--config.rl.beta=0.01"],
+        capture_output=True, text=True, timeout=600, cwd=REPO, env=cpu_env(2))  # FSDP over 2 devices
+    assert run_.returncode == 0, run_.stderr[-3000:]
+    data = json.loads(out.read_text())
+    m, v4 = data["measured"], data["chips"]["v4"]["calls"]
+    names = [c["name"] for c in data["calls"]]
+    assert [n.split(" (")[0] for n in names] == ["prefill", "decode step", "insert", "reference pass", "update"]
+    assert set(m["calls"]) == set(names) == set(m["runs"]) and m["chip"] == "v4"
+    assert m["runs"][names[1]]["steps"] == 16  # every step of the budget (fewer than MEASURED_STEPS)
+    for c in data["calls"]:
+        r = m["calls"][c["name"]]
+        assert r["ms"] > 0 and r["predicted_ms"] == pytest.approx(v4[c["name"]]["ms"])
+        assert r["ratio"] == pytest.approx(r["ms"] / r["predicted_ms"])
+        assert r["over_floor"] == pytest.approx(r["ms"] / r["floor_ms"]) and r["floor_ms"] > 0
+    assert m["step"]["measured_s"] == pytest.approx(sum(c["per_step"] * m["calls"][c["name"]]["ms"] / 1e3
+                                                        for c in data["calls"]))
+    assert "measured on cpu" in run_.stdout and "| decode step (window" in run_.stdout.split("measured on cpu")[1]
