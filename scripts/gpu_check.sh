@@ -8,7 +8,8 @@
 # 1. environment: nvidia-smi, jax devices, package versions;
 # 2. `sem_jax.aot --roofline --measure` for configs/gpu.py (Qwen2.5-1.5B's shape, random weights):
 #    every call of a GRPO step compiled for this GPU, XLA's counts and the predicted times, then
-#    each call run and timed here, measured beside predicted (roofline.json, the table in the log);
+#    each call run and timed here, measured beside the prediction and the floor (roofline.json, the
+#    table in the log);
 # 3. `python -m sem_jax.train --config configs/gpu.py` on a random-weight 1.5B checkpoint with the
 #    real Qwen2.5 tokenizer (built offline), the demo questions and a bm25s index built by
 #    scripts/build_index.py: STEPS GRPO steps at the config's sizes and a checkpoint; the measured
@@ -16,10 +17,13 @@
 # 4. scripts/bench_sampler.py --quick at Qwen2.5-1.5B's shape in bf16 against HF `generate` on the
 #    same GPU (one rollout batch of configs/gpu.py: 80 rows);
 # 5. an HF export of the trained checkpoint.
-# Everything lands in $OUT: gpu_check.log, roofline.json, train_metrics.jsonl,
-# measured_vs_predicted.md, bench_sampler.json. Knobs (a CPU rehearsal: SHAPE=tiny, a small
-# TRAIN_ARGS): SHAPE, PRESET, DTYPE, STEPS, REPEATS, TRAIN_ARGS, CHIP, HBM_GIB, *_TIMEOUT, and PARTS
-# (default "env roofline train bench export": a subset runs those alone, appending to the log).
+# Everything lands in $OUT: gpu_check.log, roofline.json, hlo.tar.gz (each measured call's
+# optimized HLO), train_metrics.jsonl, measured_vs_predicted.md, bench_sampler.json.
+# Knobs: SHAPE, PRESET, DTYPE, STEPS, REPEATS, TRAIN_ARGS, CHIP, HBM_GIB, *_TIMEOUT (a CPU rehearsal:
+# PRESET=qwen2.5-0.5b SHAPE=tiny and a TRAIN_ARGS of small sizes), and PARTS (default "env roofline
+# train bench export"; a subset runs those alone, appending to the log). On an H200 the first two
+# parts took 4.3 minutes and the other three 5.7: where one command may run 10 minutes, run
+# PARTS="env roofline", then PARTS="train bench export" with the same OUT.
 set -uo pipefail
 OUT=${OUT:-/tmp/gpu_check}
 SHAPE=${SHAPE:-qwen2.5-1.5b}
@@ -56,9 +60,11 @@ fi
 
 if wants roofline; then
 part "roofline: every call of configs/gpu.py compiled for this device, then run and timed"
-timeout "${ROOFLINE_TIMEOUT:-300}" $PY -m sem_jax.aot --config configs/gpu.py --roofline --measure \
+rm -rf "$WORK/hlo"
+timeout "${ROOFLINE_TIMEOUT:-420}" $PY -m sem_jax.aot --config configs/gpu.py --roofline --measure \
     --repeats "$REPEATS" --hbm_gib "${HBM_GIB:-141}" ${CHIP:+--chip "$CHIP"} --json "$OUT/roofline.json" \
-    --config.model.preset="$PRESET" $TRAIN_ARGS 2>&1 | log
+    --hlo_dir "$WORK/hlo" --config.model.preset="$PRESET" $TRAIN_ARGS 2>&1 | log
+tar czf "$OUT/hlo.tar.gz" -C "$WORK" hlo 2>&1 | log  # each call as this backend compiled it, to read offline
 fi
 
 if wants train; then
@@ -78,7 +84,7 @@ print(f"random-weight {name} and the real tokenizer in {path}")
 EOF
 $PY scripts/build_index.py --corpus "$DEMO/corpus.jsonl" --out "$WORK/index" 2>&1 | tail -2 | log
 rm -rf "$WORK/run"
-timeout "${TRAIN_TIMEOUT:-180}" $PY -m sem_jax.train --config configs/gpu.py --config.run_dir="$WORK/run" \
+timeout "${TRAIN_TIMEOUT:-240}" $PY -m sem_jax.train --config configs/gpu.py --config.run_dir="$WORK/run" \
     --config.model.path="$WORK/model" --config.retrieval.index_dir="$WORK/index" \
     --config.data.train_file="$DEMO/train.jsonl" --config.data.eval_file="$DEMO/eval.jsonl" \
     --config.train.total_steps="$STEPS" --config.train.ckpt_every="$STEPS" --config.train.eval_at_start=False \
@@ -90,7 +96,7 @@ fi
 
 if wants bench; then
 part "sampler vs HF generate ($SHAPE, $DTYPE)"
-timeout "${BENCH_TIMEOUT:-120}" $PY scripts/bench_sampler.py --quick --shapes "$SHAPE" --dtype "$DTYPE" \
+timeout "${BENCH_TIMEOUT:-150}" $PY scripts/bench_sampler.py --quick --shapes "$SHAPE" --dtype "$DTYPE" \
     --repeats 2 --out "$OUT/bench_sampler.json" 2>&1 | log
 fi
 

@@ -282,6 +282,8 @@ def define_flags():
     flags.DEFINE_bool("measure", False, "With --roofline: also run each call on the local devices and time it, "
                       "beside the prediction (sem_jax.measure)")
     flags.DEFINE_integer("repeats", 3, "With --measure: timed runs per call (after one that compiles)")
+    flags.DEFINE_string("hlo_dir", None, "With --measure: write each call's optimized HLO, as this backend "
+                        "compiled it, to this directory")
     flags.DEFINE_string("chip", None, "With --measure: the roofline's chip to set the times beside (default: "
                         "from the device kind)")
 
@@ -316,7 +318,7 @@ def main(argv):
             if chip is not None and chip not in roofline.CHIPS:
                 raise app.UsageError(f"--chip {chip!r}: the roofline knows {sorted(roofline.CHIPS)}")
             print(f"\nrunning each call on {devices[0].device_kind}: one run to compile, then {FLAGS.repeats} timed")
-            runs = measure.run(programs, FLAGS.repeats)
+            runs = measure.run(programs, FLAGS.repeats, hlo_dir=FLAGS.hlo_dir)
             data["measured"] = measure.compare(calls, runs, chip, roofline.CHIPS.get(chip))
             data["measured"].update(device_kind=devices[0].device_kind, devices=len(devices), runs=runs)
             measure.report(calls, data["measured"], f"{devices[0].device_kind} ({len(devices)} device(s))")

@@ -13,6 +13,8 @@ as the sampler's own decode loop running `Program.steps` steps, divided by them.
 from __future__ import annotations
 
 import dataclasses
+import os
+import re
 import statistics
 import time
 from collections.abc import Callable
@@ -77,8 +79,10 @@ def _copy(tree):
     return jax.tree.map(lambda x: jnp.copy(x) if isinstance(x, jax.Array) else x, tree)
 
 
-def run(programs: dict[str, Program], repeats: int = 3, log: Callable[[str], None] = print) -> dict[str, dict]:
-    """Each program compiled once, then timed `repeats` times: {name: {ms (per unit), runs_ms, compile_s}}."""
+def run(programs: dict[str, Program], repeats: int = 3, log: Callable[[str], None] = print,
+        hlo_dir: str | None = None) -> dict[str, dict]:
+    """Each program compiled once, then timed `repeats` times: {name: {ms (per unit), runs_ms, compile_s}}.
+    With `hlo_dir`, each program's optimized HLO as this backend compiled it goes there (`<call>.hlo.txt`)."""
     if jax.process_count() > 1:
         raise ValueError("measuring runs the calls on this process's devices alone: run it with one process")
     outputs, out, made = {}, {}, {}  # made: one value per abstract argument (the weights shared by calls)
@@ -105,6 +109,10 @@ def run(programs: dict[str, Program], repeats: int = 3, log: Callable[[str], Non
             if name in needed:  # others' outputs are dropped: device memory for the calls after
                 outputs[name] = result
             del result
+            if hlo_dir:
+                os.makedirs(hlo_dir, exist_ok=True)
+                with open(os.path.join(hlo_dir, re.sub(r"\W+", "_", name).strip("_") + ".hlo.txt"), "w") as fh:
+                    fh.write(p.fn.lower(*args, **p.kwargs).compile().as_text())
             runs = []
             for _ in range(repeats):
                 run_args = jax.block_until_ready(fresh())

@@ -106,7 +106,7 @@ def test_aot_measure_runs_every_call_of_the_roofline(tmp_path):
          "--repeats=2", "--chip=v4", "--hbm_gib=16", f"--json={out}", "--config.data.max_prompt_tokens=64",
          "--config.rollout.max_new_tokens=16", "--config.data.prompts_per_step=2", "--config.rollout.group_size=2",
          "--config.rl.micro_batch=4", "--config.retrieval.top_k=1", "--config.retrieval.max_tokens_per_passage=16",
-         "--config.rollout.max_searches=1", "--config.rl.beta=0.01"],
+         "--config.rollout.max_searches=1", "--config.rl.beta=0.01", f"--hlo_dir={tmp_path / 'hlo'}"],
         capture_output=True, text=True, timeout=600, cwd=REPO, env=cpu_env(2))  # FSDP over 2 devices
     assert run_.returncode == 0, run_.stderr[-3000:]
     data = json.loads(out.read_text())
@@ -122,4 +122,9 @@ def test_aot_measure_runs_every_call_of_the_roofline(tmp_path):
         assert r["over_floor"] == pytest.approx(r["ms"] / r["floor_ms"]) and r["floor_ms"] > 0
     assert m["step"]["measured_s"] == pytest.approx(sum(c["per_step"] * m["calls"][c["name"]]["ms"] / 1e3
                                                         for c in data["calls"]))
+    # Each program as the backend compiled it, for reading offline (what a GPU run brings back).
+    hlo = {f.name: f.read_text() for f in (tmp_path / "hlo").iterdir()}
+    assert sorted(hlo) == sorted(["prefill.hlo.txt", "decode_step_window_160.hlo.txt", "insert_48_tokens.hlo.txt",
+                                  "reference_pass_4_rows.hlo.txt", "update_4_rows.hlo.txt"])
+    assert all("ENTRY" in text for text in hlo.values()) and "while" in hlo["decode_step_window_160.hlo.txt"]
     assert "measured on cpu" in run_.stdout and "| decode step (window" in run_.stdout.split("measured on cpu")[1]
