@@ -178,8 +178,8 @@ def report(calls: list, cmp: dict, device: str) -> None:
         line = f"| {c.name} | {c.per_step} | {r['ms']:.3f} |"
         if chip:
             mark = "" if r["xla_counts_all"] else " *"
-            line += (f" {r['predicted_ms']:.3f}{mark} | {r['ratio']:.2f} | {r['floor_ms']:.3f} | {r['over_floor']:.2f} |"
-                     f" {r['mfu']:.0%} | {r['bandwidth']:.0%} |")
+            line += (f" {r['predicted_ms']:.3f}{mark} | {r['ratio']:.2f} | {r['floor_ms']:.3f} |"
+                     f" {r['over_floor']:.2f} | {r['mfu']:.0%} | {r['bandwidth']:.0%} |")
         else:
             line += f" {r['xla_tflops']:.1f} | {r['xla_gbps']:.0f} |"
         print(line)

@@ -271,8 +271,8 @@ def analyse(config: ConfigDict, devices: list, mcfg: Qwen2Config) -> tuple[list[
         calls.append(Call("prefill", 1, **cost(lower(L).compile()),
                           ideal_flops=forward_flops(mcfg, p, tp, 0, p) / n,
                           ideal_bytes=(weight_bytes(mcfg, item) + kv_bytes(mcfg, p, tp, item)) / n))
-        programs["prefill"] = Program(prefill_step, (graphs[1], sampler_params, None, prompts, Filled(lengths, tp), key),
-                                      static, rollout_mesh, vocab=vocab)
+        programs["prefill"] = Program(prefill_step, (graphs[1], sampler_params, None, prompts, Filled(lengths, tp),
+                                                     key), static, rollout_mesh, vocab=vocab)
         sampler_state = jax.tree.map(
             lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh),
             jax.eval_shape(lambda *a: prefill_step(graphs[1], *a, **static), sampler_params, None, prompts, lengths,
@@ -447,9 +447,10 @@ def report(calls: list[Call], shapes: dict, label: str, hbm: float, group_size: 
     for c in calls:
         ideal = c.remat_flops or c.ideal_flops
         note = " (with remat)" if c.remat_flops else ""
-        print(f"| {c.name} | {c.per_step} | {c.flops / 1e9:.1f}{' *' if c.undercounted else ''} | {ideal / 1e9:.1f}{note} | "
-              f"{ratio(c.flops, ideal)} | {c.bytes / 1e9:.2f} | {c.ideal_bytes / 1e9:.2f} | {ratio(c.bytes, c.ideal_bytes)} | "
-              f"{c.ici / 1e9:.3f} |")
+        mark = " *" if c.undercounted else ""
+        print(f"| {c.name} | {c.per_step} | {c.flops / 1e9:.1f}{mark} | {ideal / 1e9:.1f}{note} | "
+              f"{ratio(c.flops, ideal)} | {c.bytes / 1e9:.2f} | {c.ideal_bytes / 1e9:.2f} | "
+              f"{ratio(c.bytes, c.ideal_bytes)} | {c.ici / 1e9:.3f} |")
     if any(c.undercounted for c in calls):
         print("* under half the model's FLOPs: XLA's count misses work handed to libraries (XLA:GPU counts no cuBLAS "
               "gemm), so the times predicted from it below are no bound for those calls")
