@@ -20,7 +20,7 @@ import sys
 
 from sem_jax.measure import compare as compare_calls
 from sem_jax.measure import report as report_calls
-from sem_jax.roofline import CHIPS, Call
+from sem_jax.roofline import CHIPS, Call, step_seconds
 
 ROWS = (("rollout", "time/rollout"), ("update", "time/update"), ("step", "time/step"))
 
@@ -33,9 +33,7 @@ def compare(roofline: dict, metrics: list[dict], chip: str) -> list[tuple[str, f
     if not steps:
         raise ValueError("no training step after the first (compiling) one in the metrics")
     predicted = roofline["chips"][chip]
-    floor = {"rollout": 0.0, "update": 0.0}
-    for c in map(lambda c: Call(**c), roofline["calls"]):
-        floor[c.part] += c.per_step * c.floor(CHIPS[chip])
+    floor = step_seconds([Call(**c) for c in roofline["calls"]], CHIPS[chip], Call.floor)
     floor["step"] = floor["rollout"] + floor["update"]
     return [(part, statistics.median(m[key] for m in steps), predicted[f"{part}_s"], floor[part]) for part, key in ROWS]
 

@@ -307,7 +307,8 @@ def main(argv):
         roofline.set_analysis_flags()
         config = _CONFIG.value
         devices = target_devices(FLAGS.topology)
-        calls, shapes, programs = roofline.analyse(config, devices, model_config(config))
+        mcfg = model_config(config)
+        calls, shapes, programs = roofline.analyse(config, devices, mcfg)
         data = roofline.report(calls, shapes, label, hbm_per_device(devices, FLAGS.hbm_gib),
                                config.rollout.group_size)
         if FLAGS.measure:
@@ -318,7 +319,7 @@ def main(argv):
             if chip is not None and chip not in roofline.CHIPS:
                 raise app.UsageError(f"--chip {chip!r}: the roofline knows {sorted(roofline.CHIPS)}")
             print(f"\nrunning each call on {devices[0].device_kind}: one run to compile, then {FLAGS.repeats} timed")
-            runs = measure.run(programs, FLAGS.repeats, hlo_dir=FLAGS.hlo_dir)
+            runs = measure.run(programs, mcfg.vocab_size, FLAGS.repeats, hlo_dir=FLAGS.hlo_dir)
             data["measured"] = measure.compare(calls, runs, chip, roofline.CHIPS.get(chip))
             data["measured"].update(device_kind=devices[0].device_kind, devices=len(devices), runs=runs)
             measure.report(calls, data["measured"], f"{devices[0].device_kind} ({len(devices)} device(s))")

@@ -38,7 +38,6 @@ class Program:
     args: tuple                   # abstract arrays (ShapeDtypeStruct leaves), None, or static values
     kwargs: dict
     mesh: Any                     # the mesh the call runs under (`jax.set_mesh`)
-    vocab: int = 1                # integer leaves not `Filled`: token ids drawn below this
     state_from: dict[int, str] = dataclasses.field(default_factory=dict)  # argument -> the program whose output it is
     donated: tuple[int, ...] = ()  # arguments the call consumes: a fresh copy for each run
     steps: int = 1                # the roofline's units per call (decode steps per loop)
@@ -79,10 +78,11 @@ def _copy(tree):
     return jax.tree.map(lambda x: jnp.copy(x) if isinstance(x, jax.Array) else x, tree)
 
 
-def run(programs: dict[str, Program], repeats: int = 3, log: Callable[[str], None] = print,
+def run(programs: dict[str, Program], vocab: int, repeats: int = 3, log: Callable[[str], None] = print,
         hlo_dir: str | None = None) -> dict[str, dict]:
     """Each program compiled once, then timed `repeats` times: {name: {ms (per unit), runs_ms, compile_s}}.
-    With `hlo_dir`, each program's optimized HLO as this backend compiled it goes there (`<call>.hlo.txt`)."""
+    Integer arguments not `Filled` are token ids below `vocab`. With `hlo_dir`, each program's
+    optimized HLO as this backend compiled it goes there (`<call>.hlo.txt`)."""
     if jax.process_count() > 1:
         raise ValueError("measuring runs the calls on this process's devices alone: run it with one process")
     outputs, out, made = {}, {}, {}  # made: one value per abstract argument (the weights shared by calls)
@@ -97,7 +97,7 @@ def run(programs: dict[str, Program], repeats: int = 3, log: Callable[[str], Non
                     continue
                 if id(a) not in made:
                     key, sub = jax.random.split(key)
-                    made[id(a)] = (a, concrete(a, sub, p.vocab))  # `a` kept: its id stays its own
+                    made[id(a)] = (a, concrete(a, sub, vocab))  # `a` kept: its id stays its own
                 args.append(made[id(a)][1])
             # A donated argument is consumed by the call: each run gets a copy of its own (not timed).
             fresh = lambda: [_copy(a) if i in p.donated else a for i, a in enumerate(args)]  # noqa: E731

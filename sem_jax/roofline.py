@@ -259,7 +259,6 @@ def analyse(config: ConfigDict, devices: list, mcfg: Qwen2Config) -> tuple[list[
     wi = bucket_length(block, minimum=8)
     calls: list[Call] = []
     programs: dict[str, Program] = {}
-    vocab = mcfg.vocab_size
 
     arr = rows_on(rollout_mesh)
     with jax.set_mesh(rollout_mesh):
@@ -271,8 +270,8 @@ def analyse(config: ConfigDict, devices: list, mcfg: Qwen2Config) -> tuple[list[
         calls.append(Call("prefill", 1, **cost(lower(L).compile()),
                           ideal_flops=forward_flops(mcfg, p, tp, 0, p) / n,
                           ideal_bytes=(weight_bytes(mcfg, item) + kv_bytes(mcfg, p, tp, item)) / n))
-        programs["prefill"] = Program(prefill_step, (graphs[1], sampler_params, None, prompts, Filled(lengths, tp),
-                                                     key), static, rollout_mesh, vocab=vocab)
+        programs["prefill"] = Program(
+            prefill_step, (graphs[1], sampler_params, None, prompts, Filled(lengths, tp), key), static, rollout_mesh)
         sampler_state = jax.tree.map(
             lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh),
             jax.eval_shape(lambda *a: prefill_step(graphs[1], *a, **static), sampler_params, None, prompts, lengths,
@@ -301,7 +300,7 @@ def analyse(config: ConfigDict, devices: list, mcfg: Qwen2Config) -> tuple[list[
         programs[calls[-1].name] = Program(
             decode_loop, (graphs[1], sampler_params, None, None, Filled(table, 0), Filled(eos, -1),
                           Filled(jax.ShapeDtypeStruct((), jnp.int32), steps)),
-            dict(cfg=s.sampling, window=window), rollout_mesh, vocab=vocab, state_from={3: "prefill"}, donated=(3,),
+            dict(cfg=s.sampling, window=window), rollout_mesh, state_from={3: "prefill"}, donated=(3,),
             steps=steps, check=ran)
         if config.rollout.max_searches:
             ids, nn, end = arr((rows, wi), jnp.int32), arr((rows,), jnp.int32), arr((rows,), jnp.bool_)
@@ -313,7 +312,7 @@ def analyse(config: ConfigDict, devices: list, mcfg: Qwen2Config) -> tuple[list[
                               ideal_bytes=(weight_bytes(mcfg, item) + kv_bytes(mcfg, rows, window + wi, item)) / n))
             programs[calls[-1].name] = Program(
                 insert_step, (graphs[1], sampler_params, None, None, ids, Filled(nn, wi), end), dict(window=window),
-                rollout_mesh, vocab=vocab, state_from={3: "prefill"}, donated=(3,))
+                rollout_mesh, state_from={3: "prefill"}, donated=(3,))
 
     arr = rows_on(mesh)
     with jax.set_mesh(mesh):
@@ -339,14 +338,14 @@ def analyse(config: ConfigDict, devices: list, mcfg: Qwen2Config) -> tuple[list[
             lower = lambda layers, head: trainers[layers, head].logprobs_fn.lower(ref_params, lp_in)
             calls.append(Call(f"reference pass ({micro} rows)", steps_m, **counted(lower, loops),
                               ideal_flops=fwd / n, ideal_bytes=weight_bytes(mcfg, item) / n, part="update"))
-            programs[calls[-1].name] = Program(trainers[1, 1].logprobs_fn, (ref_params, dict(lp_in, start=start)), {},
-                                               mesh, vocab=vocab)
+            programs[calls[-1].name] = Program(trainers[1, 1].logprobs_fn, (ref_params, dict(lp_in, start=start)),
+                                               {}, mesh)
         lower = lambda layers, head: trainers[layers, head].update_fn.lower(params, opt, batch, ref)
         calls.append(Call(f"update ({micro} rows)", steps_m, **counted(lower, loops),
                           ideal_flops=3 * fwd / n, ideal_bytes=0.0, part="update",
                           remat_flops=(3 * fwd + recomputed(parts, config.model.remat)) / n))
         programs[calls[-1].name] = Program(trainers[1, 1].update_fn, (params, opt, dict(batch, start=start), ref), {},
-                                           mesh, vocab=vocab, donated=(0, 1))
+                                           mesh, donated=(0, 1))
     m = decode.memory_analysis()
     shards = batch_shards(rollout_mesh)
     floor = partial(decode_floor, rows=rows, window=window, item=item, share=weight_shares(sampler_params), n=n)
@@ -392,10 +391,12 @@ def decode_split(few: dict[int, float], c: Qwen2Config, floor) -> dict[str, floa
 
 # -- the report -------------------------------------------------------------------------------
 
-def step_seconds(calls: list[Call], chip: Chip) -> dict[str, float]:
+def step_seconds(calls: list[Call], chip: Chip, time=Call.seconds) -> dict[str, float]:
+    """Seconds per step of the rollout's and the update's calls, each call taking `time(call, chip)`
+    (`Call.seconds`: the prediction; `Call.floor`)."""
     out = {"rollout": 0.0, "update": 0.0}
     for c in calls:
-        out[c.part] += c.per_step * c.seconds(chip)
+        out[c.part] += c.per_step * time(c, chip)
     return out
 
 

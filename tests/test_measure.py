@@ -51,7 +51,7 @@ def test_run_times_each_program_with_fresh_donated_arguments_and_checks_it():
                 "second": Program(second, (None, a), {}, mesh, state_from={0: "first"}, donated=(0,), steps=4,
                                   check=lambda out: None if int(out[1]) == 5 else f"counted {int(out[1])}")}
     lines = []
-    got = run(programs, repeats=3, log=lines.append)
+    got = run(programs, vocab=1, repeats=3, log=lines.append)
     assert set(got) == {"first", "second"} and len(lines) == 2
     for name, steps in (("first", 1), ("second", 4)):
         r = got[name]
@@ -60,7 +60,7 @@ def test_run_times_each_program_with_fresh_donated_arguments_and_checks_it():
     bad = dict(programs, second=Program(second, (None, a), {}, mesh, state_from={0: "first"}, donated=(0,),
                                         check=lambda out: "stopped early"))
     with pytest.raises(RuntimeError, match="second: stopped early"):
-        run(bad, repeats=1, log=lambda _: None)
+        run(bad, vocab=1, repeats=1, log=lambda _: None)
 
 
 def test_compare_against_a_hand_computed_table():
