@@ -9,7 +9,8 @@
 # 2. `sem_jax.aot --roofline --measure` for configs/gpu.py (Qwen2.5-1.5B's shape, random weights):
 #    every call of a GRPO step compiled for this GPU, XLA's counts and the predicted times, then
 #    each call run and timed here, measured beside the prediction and the floor (roofline.json, the
-#    table in the log);
+#    table in the log), then run once more under the profiler: each call's time by XLA op (the
+#    tables in the log, `ops_ms` in roofline.json);
 # 3. `python -m sem_jax.train --config configs/gpu.py` on a random-weight 1.5B checkpoint with the
 #    real Qwen2.5 tokenizer (built offline), the demo questions and a bm25s index built by
 #    scripts/build_index.py: STEPS GRPO steps at the config's sizes and a checkpoint; the measured
@@ -60,10 +61,10 @@ fi
 
 if wants roofline; then
 part "roofline: every call of configs/gpu.py compiled for this device, then run and timed"
-rm -rf "$WORK/hlo"
+rm -rf "$WORK/hlo" "$WORK/profile"
 timeout "${ROOFLINE_TIMEOUT:-420}" $PY -m sem_jax.aot --config configs/gpu.py --roofline --measure \
     --repeats "$REPEATS" --hbm_gib "${HBM_GIB:-141}" ${CHIP:+--chip "$CHIP"} --json "$OUT/roofline.json" \
-    --hlo_dir "$WORK/hlo" --config.model.preset="$PRESET" $TRAIN_ARGS 2>&1 | log
+    --hlo_dir "$WORK/hlo" --profile_dir "$WORK/profile" --config.model.preset="$PRESET" $TRAIN_ARGS 2>&1 | log
 tar czf "$OUT/hlo.tar.gz" -C "$WORK" hlo 2>&1 | log  # each call as this backend compiled it, to read offline
 fi
 

@@ -36,8 +36,9 @@ from sem_jax.config import eval_dtype, parse_flags
 from sem_jax.model import Qwen2, Qwen2Config, flash_attention
 from sem_jax.model.hf_io import read_config
 from sem_jax.model.presets import preset
+from sem_jax.model.qwen2 import per_layer_default
 from sem_jax.rl.trainer import LOGPROB_KEYS
-from sem_jax.sampling.sampler import bucket_length, decode_loop, insert_step, prefill_step
+from sem_jax.sampling.sampler import bucket_length, decode_loop, insert_step, layer_list, prefill_step
 from sem_jax.sharding import batch_sharding, match_param_shardings, named_sharding
 
 # HBM per device as the TPU compiler sees a compile-only topology device: one TensorCore.
@@ -117,6 +118,16 @@ def abstract_model(config: ConfigDict, mcfg: Qwen2Config, mesh, param_dtype, sca
                                                  sharding=named_sharding(mesh, v.get_metadata()["axes"], v.shape))),
         state, is_leaf=lambda x: isinstance(x, nnx.Variable))
     return model, graphdef, params
+
+
+def sampler_layers(graphdef, params, platform: str):
+    """The per-layer weights a sampler on `platform` holds beside `params` (`Sampler.per_layer`),
+    abstract and placed as `sem_jax.sampling.sampler.layer_list` places them; None where it runs
+    the layer scan."""
+    if not per_layer_default(sampler=True, platform=platform):
+        return None
+    return _abstract(jax.eval_shape(layer_list, graphdef, params), layer_list.lower(graphdef, params).compile()
+                     .output_shardings)
 
 
 def _abstract(tree, shardings):
@@ -215,39 +226,40 @@ def check(config: ConfigDict, topology: str | None = None, hbm_gib: float | None
                 ("sampler", p, g, dtype, trainer_state), (f"eval ({evaluated.name})", p * g, 1, evaluated, 0)):
             _, sampler_graph, sampler_params = abstract_model(config, mcfg, rollout_mesh,
                                                               narrower(param_dtype, compute))
-            rows = sampler_rows(label, sampler_graph, sampler_params, prompts_n, group, config, s, mcfg,
+            layers = sampler_layers(sampler_graph, sampler_params, devices[0].platform)
+            rows = sampler_rows(label, sampler_graph, sampler_params, layers, prompts_n, group, config, s, mcfg,
                                 rows_on(rollout_mesh))
             out += [dataclasses.replace(r, resident=resident) for r in rows]
     return out, hbm
 
 
-def sampler_rows(label: str, graphdef, params, prompts_n: int, group: int, config: ConfigDict, s, mcfg: Qwen2Config,
-                 arr) -> list[Row]:
+def sampler_rows(label: str, graphdef, params, layers, prompts_n: int, group: int, config: ConfigDict, s,
+                 mcfg: Qwen2Config, arr) -> list[Row]:
     """The sampler's prefill, decode loop and (with searches) insert for `prompts_n` prompts x
-    `group` rows each."""
+    `group` rows each, with its per-layer weights `layers` (`sampler_layers`) or the layer scan."""
     resp = s.sampling.response_tokens
     compute = jnp.dtype(config.model.compute_dtype)
     tp = bucket_length(config.data.max_prompt_tokens)
     key = jax.eval_shape(lambda: jax.random.key(0))
     static = dict(group_size=group, cache_len=tp + resp, resp_len=resp, cache_dtype=compute)
     prompts, lengths = arr((prompts_n, tp), jnp.int32), arr((prompts_n,), jnp.int32)
-    row, prefill = _compile(f"{label} prefill", prefill_step.lower(graphdef, params, None, prompts, lengths, key,
+    row, prefill = _compile(f"{label} prefill", prefill_step.lower(graphdef, params, layers, prompts, lengths, key,
                                                                    **static))
     if prefill is None:  # the decode loop's input state comes from the prefill
         return [row]
-    state = _abstract(jax.eval_shape(lambda *a: prefill_step(graphdef, *a, **static), params, None, prompts,
+    state = _abstract(jax.eval_shape(lambda *a: prefill_step(graphdef, *a, **static), params, layers, prompts,
                                      lengths, key), prefill.output_shardings)
     # The stop automaton's table: one state per byte of the stop strings, plus the start.
     states = sum(len(x.encode()) for x in s.protocol.stop_strings) + 1
     table = jax.ShapeDtypeStruct((mcfg.vocab_size, states), jnp.int32)
     rows = [row, _compile(f"{label} decode loop", decode_loop.lower(
-        graphdef, params, None, state, table, jax.ShapeDtypeStruct((2,), jnp.int32),
+        graphdef, params, layers, state, table, jax.ShapeDtypeStruct((2,), jnp.int32),
         jax.ShapeDtypeStruct((), jnp.int32), cfg=s.sampling, window=tp + resp))[0]]
     if config.rollout.max_searches:  # a search's results, the widest block, into the full cache
         b = prompts_n * group
         wi = bucket_length(inserted_tokens(config)[0], minimum=8)
         rows.append(_compile(f"{label} insert ({wi} tokens)", insert_step.lower(
-            graphdef, params, None, state, arr((b, wi), jnp.int32), arr((b,), jnp.int32), arr((b,), jnp.bool_),
+            graphdef, params, layers, state, arr((b, wi), jnp.int32), arr((b,), jnp.int32), arr((b,), jnp.bool_),
             window=tp + resp))[0])
     return rows
 
@@ -284,6 +296,8 @@ def define_flags():
     flags.DEFINE_integer("repeats", 3, "With --measure: timed runs per call (after one that compiles)")
     flags.DEFINE_string("hlo_dir", None, "With --measure: write each call's optimized HLO, as this backend "
                         "compiled it, to this directory")
+    flags.DEFINE_string("profile_dir", None, "With --measure: run each call once more under the profiler (traces "
+                        "there) and print its time by XLA op")
     flags.DEFINE_string("chip", None, "With --measure: the roofline's chip to set the times beside (default: "
                         "from the device kind)")
 
@@ -319,10 +333,12 @@ def main(argv):
             if chip is not None and chip not in roofline.CHIPS:
                 raise app.UsageError(f"--chip {chip!r}: the roofline knows {sorted(roofline.CHIPS)}")
             print(f"\nrunning each call on {devices[0].device_kind}: one run to compile, then {FLAGS.repeats} timed")
-            runs = measure.run(programs, mcfg.vocab_size, FLAGS.repeats, hlo_dir=FLAGS.hlo_dir)
+            runs = measure.run(programs, mcfg.vocab_size, FLAGS.repeats, hlo_dir=FLAGS.hlo_dir,
+                               profile_dir=FLAGS.profile_dir)
             data["measured"] = measure.compare(calls, runs, chip, roofline.CHIPS.get(chip))
             data["measured"].update(device_kind=devices[0].device_kind, devices=len(devices), runs=runs)
             measure.report(calls, data["measured"], f"{devices[0].device_kind} ({len(devices)} device(s))")
+            measure.report_ops(runs)
         if FLAGS.json:
             roofline.write_json(data, FLAGS.json)
         return

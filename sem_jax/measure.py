@@ -12,7 +12,11 @@ as the sampler's own decode loop running `Program.steps` steps, divided by them.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import glob
+import gzip
+import json
 import os
 import re
 import statistics
@@ -79,10 +83,12 @@ def _copy(tree):
 
 
 def run(programs: dict[str, Program], vocab: int, repeats: int = 3, log: Callable[[str], None] = print,
-        hlo_dir: str | None = None) -> dict[str, dict]:
+        hlo_dir: str | None = None, profile_dir: str | None = None) -> dict[str, dict]:
     """Each program compiled once, then timed `repeats` times: {name: {ms (per unit), runs_ms, compile_s}}.
     Integer arguments not `Filled` are token ids below `vocab`. With `hlo_dir`, each program's
-    optimized HLO as this backend compiled it goes there (`<call>.hlo.txt`)."""
+    optimized HLO as this backend compiled it goes there (`<call>.hlo.txt`). With `profile_dir`, one
+    more run of each under the profiler (`<profile_dir>/<call>/`, not timed) and its time by XLA
+    op, per unit (`ops`: `op_times`)."""
     if jax.process_count() > 1:
         raise ValueError("measuring runs the calls on this process's devices alone: run it with one process")
     outputs, out, made = {}, {}, {}  # made: one value per abstract argument (the weights shared by calls)
@@ -109,10 +115,21 @@ def run(programs: dict[str, Program], vocab: int, repeats: int = 3, log: Callabl
             if name in needed:  # others' outputs are dropped: device memory for the calls after
                 outputs[name] = result
             del result
+            file = re.sub(r"\W+", "_", name).strip("_")
             if hlo_dir:
                 os.makedirs(hlo_dir, exist_ok=True)
-                with open(os.path.join(hlo_dir, re.sub(r"\W+", "_", name).strip("_") + ".hlo.txt"), "w") as fh:
+                with open(os.path.join(hlo_dir, file + ".hlo.txt"), "w") as fh:
                     fh.write(p.fn.lower(*args, **p.kwargs).compile().as_text())
+            ops = None
+            if profile_dir:
+                run_args = jax.block_until_ready(fresh())
+                try:  # a profiler that cannot start (no CUPTI) costs the breakdown, not the timings
+                    with jax.profiler.trace(os.path.join(profile_dir, file), create_perfetto_trace=True):
+                        jax.block_until_ready(p.fn(*run_args, **p.kwargs))
+                    ops = {op: us / 1e3 / p.steps for op, us in op_times(os.path.join(profile_dir, file)).items()}
+                except Exception as e:  # noqa: BLE001 - reported, and the measurement goes on
+                    log(f"  profiling {name} failed ({type(e).__name__}: {e}); its time by op is left out")
+                del run_args
             runs = []
             for _ in range(repeats):
                 run_args = jax.block_until_ready(fresh())
@@ -122,9 +139,44 @@ def run(programs: dict[str, Program], vocab: int, repeats: int = 3, log: Callabl
                 del run_args
         ms = 1e3 * statistics.median(runs) / p.steps
         out[name] = dict(ms=ms, runs_ms=[1e3 * r / p.steps for r in runs], compile_s=compile_s, steps=p.steps)
+        if ops is not None:
+            out[name]["ops_ms"] = ops
         log(f"  measured {name}: {ms:.3f} ms per {'step' if p.steps > 1 else 'call'} "
             f"(median of {repeats}; compile and first run {compile_s:.1f} s)")
     return out
+
+
+def op_times(trace_dir: str) -> dict[str, float]:
+    """Microseconds by XLA op (or kernel) in the newest profiler trace under `trace_dir`
+    (`jax.profiler.trace(create_perfetto_trace=True)`), largest first: a device's "XLA Ops" line
+    where the trace has one (GPU, TPU), else its kernels; on a CPU host, the XLA client's threads."""
+    paths = sorted(glob.glob(os.path.join(trace_dir, "**", "*.trace.json.gz"), recursive=True), key=os.path.getmtime)
+    if not paths:
+        raise FileNotFoundError(f"no *.trace.json.gz under {trace_dir}: was it traced with create_perfetto_trace=True?")
+    with gzip.open(paths[-1]) as fh:
+        data = json.load(fh)
+    events = data["traceEvents"] if isinstance(data, dict) else data
+    names = {}  # (pid, tid or None) -> process or thread name
+    for e in events:
+        if e.get("ph") == "M" and e.get("name") in ("process_name", "thread_name"):
+            names[(e["pid"], e.get("tid") if e["name"] == "thread_name" else None)] = e.get("args", {}).get("name", "")
+    devices = {pid for (pid, tid), n in names.items() if tid is None and n.startswith("/device:")}
+    busy = {(e["pid"], e.get("tid")) for e in events if e.get("ph") == "X"}
+    ops_lines = {key for key, n in names.items() if key[0] in devices and n == "XLA Ops" and key in busy}
+    skip = ("XLA Modules", "Steps", "XLA TraceMe", "Framework Name Scope", "Framework Ops", "Source code")
+
+    def counted(e) -> bool:
+        key = (e["pid"], e.get("tid"))
+        if ops_lines:
+            return key in ops_lines
+        if devices:
+            return e["pid"] in devices and not names.get(key, "").startswith(skip)
+        return names.get(key, "").startswith("tf_XLA")  # XLA:CPU's client and its thread pool
+    total = collections.Counter()
+    for e in events:
+        if e.get("ph") == "X" and counted(e):
+            total[e["name"]] += float(e.get("dur", 0.0))
+    return dict(total.most_common())
 
 
 # jax's device kinds, by the CHIPS entry each is (the longest name that a kind holds wins).
@@ -192,3 +244,17 @@ def report(calls: list, cmp: dict, device: str) -> None:
     if chip and not all(r["xla_counts_all"] for r in cmp["calls"].values()):
         print("* XLA's FLOP count for this program is under half the model's: it misses work handed to libraries "
               "(XLA:GPU counts no cuBLAS gemm), so the prediction from it is no bound; the floor is one")
+
+
+def report_ops(measured: dict[str, dict], top: int = 12) -> None:
+    """Print each profiled call's `top` XLA ops by time (`run(profile_dir=...)`)."""
+    for name, r in measured.items():
+        ops = r.get("ops_ms")
+        if not ops:
+            continue
+        unit = "step" if r["steps"] > 1 else "call"
+        total = sum(ops.values())
+        print(f"\n{name}: {total:.3f} ms of XLA ops per {unit} in one profiled run ({r['ms']:.3f} ms timed)")
+        print("| op | ms | share |\n|---|---|---|")
+        for op, ms in list(ops.items())[:top]:
+            print(f"| {op} | {ms:.3f} | {ms / total:.0%} |")

@@ -54,7 +54,7 @@ import jax.numpy as jnp
 from flax import nnx
 from ml_collections import ConfigDict
 
-from sem_jax.aot import abstract_model, cost, device_bytes, narrower, rows_on, trainer_bytes
+from sem_jax.aot import abstract_model, cost, device_bytes, narrower, rows_on, sampler_layers, trainer_bytes
 from sem_jax.assemble import build_mesh, build_rollout_mesh, build_trainer, inserted_tokens, micro_batch, settings
 from sem_jax.hosts import batch_shards
 from sem_jax.measure import Filled, Program
@@ -270,8 +270,11 @@ def analyse(config: ConfigDict, devices: list, mcfg: Qwen2Config) -> tuple[list[
         calls.append(Call("prefill", 1, **cost(lower(L).compile()),
                           ideal_flops=forward_flops(mcfg, p, tp, 0, p) / n,
                           ideal_bytes=(weight_bytes(mcfg, item) + kv_bytes(mcfg, p, tp, item)) / n))
+        # Measured as the sampler runs them on these devices: with its per-layer weights where it
+        # keeps them (CPUs, GPUs: `per_layer_default`); counted above and below as a TPU runs them.
+        copies = sampler_layers(graphs[1], sampler_params, devices[0].platform)
         programs["prefill"] = Program(
-            prefill_step, (graphs[1], sampler_params, None, prompts, Filled(lengths, tp), key), static, rollout_mesh)
+            prefill_step, (graphs[1], sampler_params, copies, prompts, Filled(lengths, tp), key), static, rollout_mesh)
         sampler_state = jax.tree.map(
             lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh),
             jax.eval_shape(lambda *a: prefill_step(graphs[1], *a, **static), sampler_params, None, prompts, lengths,
@@ -298,7 +301,7 @@ def analyse(config: ConfigDict, devices: list, mcfg: Qwen2Config) -> tuple[list[
         steps = min(MEASURED_STEPS, s.sampling.max_new_tokens)
         ran = lambda out: None if int(out[1][0]) == steps else f"the decode loop ran {int(out[1][0])} of {steps} steps"
         programs[calls[-1].name] = Program(
-            decode_loop, (graphs[1], sampler_params, None, None, Filled(table, 0), Filled(eos, -1),
+            decode_loop, (graphs[1], sampler_params, copies, None, Filled(table, 0), Filled(eos, -1),
                           Filled(jax.ShapeDtypeStruct((), jnp.int32), steps)),
             dict(cfg=s.sampling, window=window), rollout_mesh, state_from={3: "prefill"}, donated=(3,),
             steps=steps, check=ran)
@@ -311,7 +314,7 @@ def analyse(config: ConfigDict, devices: list, mcfg: Qwen2Config) -> tuple[list[
                               ideal_flops=forward_flops(mcfg, rows, wi, window, rows) / n,
                               ideal_bytes=(weight_bytes(mcfg, item) + kv_bytes(mcfg, rows, window + wi, item)) / n))
             programs[calls[-1].name] = Program(
-                insert_step, (graphs[1], sampler_params, None, None, ids, Filled(nn, wi), end), dict(window=window),
+                insert_step, (graphs[1], sampler_params, copies, None, ids, Filled(nn, wi), end), dict(window=window),
                 rollout_mesh, state_from={3: "prefill"}, donated=(3,))
 
     arr = rows_on(mesh)

@@ -53,8 +53,11 @@ class ScriptedPolicy(nnx.Module):
         return jax.nn.one_hot(nxt, self.config.vocab_size) * 100.0, \
             KVCache(k=cache.k, v=cache.v, lengths=cache.lengths + step)
 
-    def logits(self, hidden):
+    def logits(self, hidden, keep_head_layout=False):
         return hidden
+
+    def spreads_head(self, n):
+        return False
 
     def extend(self, tokens, cache, num_new=None, window=None, layers=None):
         hidden, cache = self.hidden_states(tokens, cache=cache, num_new=num_new)

@@ -106,7 +106,8 @@ def test_aot_measure_runs_every_call_of_the_roofline(tmp_path):
          "--repeats=2", "--chip=v4", "--hbm_gib=16", f"--json={out}", "--config.data.max_prompt_tokens=64",
          "--config.rollout.max_new_tokens=16", "--config.data.prompts_per_step=2", "--config.rollout.group_size=2",
          "--config.rl.micro_batch=4", "--config.retrieval.top_k=1", "--config.retrieval.max_tokens_per_passage=16",
-         "--config.rollout.max_searches=1", "--config.rl.beta=0.01", f"--hlo_dir={tmp_path / 'hlo'}"],
+         "--config.rollout.max_searches=1", "--config.rl.beta=0.01", f"--hlo_dir={tmp_path / 'hlo'}",
+         f"--profile_dir={tmp_path / 'profile'}"],
         capture_output=True, text=True, timeout=600, cwd=REPO, env=cpu_env(2))  # FSDP over 2 devices
     assert run_.returncode == 0, run_.stderr[-3000:]
     data = json.loads(out.read_text())
@@ -128,3 +129,38 @@ def test_aot_measure_runs_every_call_of_the_roofline(tmp_path):
                                   "reference_pass_4_rows.hlo.txt", "update_4_rows.hlo.txt"])
     assert all("ENTRY" in text for text in hlo.values()) and "while" in hlo["decode_step_window_160.hlo.txt"]
     assert "measured on cpu" in run_.stdout and "| decode step (window" in run_.stdout.split("measured on cpu")[1]
+    # One profiled run of each: its time by XLA op (XLA:CPU's thunks), the decode's per step.
+    for name in names:
+        ops = m["runs"][name]["ops_ms"]
+        assert ops and all(ms > 0 for ms in ops.values()) and list(ops.values()) == sorted(ops.values(), reverse=True)
+        assert f"{name}: " in run_.stdout and "ms of XLA ops per" in run_.stdout
+
+
+def test_op_times_reads_a_device_trace(tmp_path):
+    """A GPU-style trace: the device's "XLA Ops" line is summed by op (its kernels on the stream
+    line and the host's events are not counted twice); without that line, the device's kernels."""
+    import gzip
+
+    from sem_jax.measure import op_times
+
+    def trace(events, where):
+        path = tmp_path / where / "plugins" / "profile" / "run"
+        path.mkdir(parents=True)
+        meta = [{"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "/device:GPU:0"}},
+                {"ph": "M", "name": "process_name", "pid": 2, "args": {"name": "/host:CPU"}},
+                {"ph": "M", "name": "thread_name", "pid": 1, "tid": 7, "args": {"name": "Stream #13(Compute)"}},
+                {"ph": "M", "name": "thread_name", "pid": 1, "tid": 8, "args": {"name": "XLA Ops"}},
+                {"ph": "M", "name": "thread_name", "pid": 1, "tid": 9, "args": {"name": "XLA Modules"}},
+                {"ph": "M", "name": "thread_name", "pid": 2, "tid": 1, "args": {"name": "python"}}]
+        with gzip.open(path / "host.trace.json.gz", "wt") as fh:
+            json.dump({"traceEvents": meta + events}, fh)
+        return str(tmp_path / where)
+
+    x = lambda pid, tid, name, dur: {"ph": "X", "pid": pid, "tid": tid, "name": name, "ts": 0, "dur": dur}
+    kernels = [x(1, 7, "gemm_kernel", 30.0), x(1, 7, "loop_fusion", 5.0), x(1, 7, "gemm_kernel", 10.0),
+               x(1, 9, "jit_decode_loop", 60.0), x(2, 1, "PjitFunction", 90.0)]
+    ops = [x(1, 8, "fusion.3", 5.0), x(1, 8, "dot.1", 30.0), x(1, 8, "dot.1", 10.0)]
+    assert op_times(trace(kernels + ops, "with_ops")) == {"dot.1": 40.0, "fusion.3": 5.0}
+    assert op_times(trace(kernels, "kernels")) == {"gemm_kernel": 40.0, "loop_fusion": 5.0}
+    with pytest.raises(FileNotFoundError, match="create_perfetto_trace"):
+        op_times(str(tmp_path / "nothing"))

@@ -201,6 +201,50 @@ def test_vocabulary_walks_keep_tensor_sharded_logits_in_place():
             np.testing.assert_allclose(np.asarray(l1), np.asarray(l0), rtol=1e-5, atol=1e-5)
 
 
+def test_spread_sampling_draws_from_the_softmax_where_the_logits_lie():
+    """`sample_spread` on logits in the LM head's spread layout (8 devices: the vocabulary split 8
+    ways, every row on each): greedy picks the first maximum, also across devices; sampled tokens
+    follow softmax(logits / T) (the Gumbel-max trick, each device its own noise); the log-probs are
+    log_softmax's. The devices exchange a few numbers per row, never a share of the logits."""
+    import re
+
+    from jax.sharding import NamedSharding
+
+    from sem_jax.model.qwen2 import HEAD_LOGITS_AXES
+    from sem_jax.sharding import logical_to_spec, make_mesh, tensor_groups
+
+    mesh = tensor_groups(make_mesh(data=1, fsdp=-1, tensor=1), 2, spread=True)
+    b, v = 6, 1000
+    logits = jax.random.normal(jax.random.key(0), (b, v)) * 3.0
+    logits = logits.at[2, 17].set(50.0).at[2, 900].set(50.0)  # a tie between two devices' shares
+    spec = logical_to_spec(HEAD_LOGITS_AXES, logits.shape, dict(mesh.shape))
+    assert spec == jax.sharding.PartitionSpec(None, ("tensor", "groups"))
+    greedy, sampled = SamplingConfig(max_new_tokens=1, greedy=True), SamplingConfig(max_new_tokens=1, temperature=0.7)
+    keys = jax.random.split(jax.random.key(4), 4000)
+    with jax.set_mesh(mesh):
+        x = jax.device_put(logits, NamedSharding(mesh, spec))
+        tok, lp = jax.jit(lambda x, k: sm.sample_spread(x, k, greedy))(x, keys[0])
+        draw = jax.jit(jax.vmap(lambda k, x: sm.sample_spread(x, k, sampled), in_axes=(0, None)))
+        hlo = draw.lower(keys, x).compile().as_text()
+        toks, lps = (np.asarray(a) for a in draw(keys, x))
+    want_tok, want_lp = sample_tokens(logits, keys[0], greedy)
+    assert np.asarray(tok).tolist() == np.asarray(want_tok).tolist() and int(tok[2]) == 17
+    np.testing.assert_allclose(np.asarray(lp), np.asarray(want_lp), atol=1e-5)
+    logp = np.asarray(jax.nn.log_softmax(logits / 0.7, -1))
+    np.testing.assert_allclose(lps, np.take_along_axis(logp, toks.T, 1).T, atol=1e-5)
+    for r in range(b):
+        counts, probs = np.bincount(toks[:, r], minlength=v), np.exp(logp[r])
+        top = np.argsort(-probs)[:10]
+        expected = probs[top] * len(keys)
+        assert np.all(np.abs(counts[top] - expected) < 5 * np.sqrt(expected) + 5), r
+        assert counts[probs < 1e-7].sum() == 0
+    moved = [np.prod([int(d) for d in dims.split(",")])
+             for dims in re.findall(r"= \(?\w+\[([\d,]+)\]\S* (?:all-gather|all-to-all|all-reduce)", hlo)]
+    assert moved and max(moved) <= 8 * len(keys) * b, moved  # 8 devices' candidates, not [rows, V]
+    with pytest.raises(ValueError, match="whole vocabulary"):
+        sm.sample_spread(logits, keys[0], SamplingConfig(max_new_tokens=1, top_k=5))
+
+
 @pytest.mark.parametrize("per_layer", [False, True])
 def test_sampling_from_weights_cast_to_the_compute_dtype_changes_nothing(per_layer):
     """float32 master weights, bfloat16 compute: the sampler keeps a bfloat16 copy

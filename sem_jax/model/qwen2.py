@@ -50,11 +50,16 @@ REMAT_POLICIES = {
     "dots_no_batch": jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims,
 }
 
-def per_layer_default() -> bool:
-    """Whether the sampler and trainer run the layers one by one (`hidden_states(layers=...)`)
-    rather than under the layer scan: on the CPU backend, where the scan copies each layer's
-    weights (and cache window) before using them; TPU/GPU keep the scan."""
-    return jax.default_backend() == "cpu"
+def per_layer_default(sampler: bool = False, platform: str | None = None) -> bool:
+    """Whether the trainer (or, `sampler`, the sampler) runs the layers one by one
+    (`hidden_states(layers=...)`) rather than under the layer scan, on `platform` (default: the
+    backend's). Both on CPUs, where the scan copies each layer's weights (and cache window) before
+    using them. The sampler on GPUs too: there the scan also copied each layer's slices, and
+    transposed the whole stacked KV cache for the attention's dots at every decode step (a
+    per-layer cache stores keys and values in the dots' layout: a 3x faster decode step on an
+    H200). TPUs keep the scan (with the `cache_attention` kernel reading the cache in place)."""
+    platform = platform or jax.default_backend()
+    return platform == "cpu" or (sampler and platform == "gpu")
 
 
 # Stacked keys and values, slots before heads: [S, K, D] as this call's new keys are [T, K, D].
@@ -62,6 +67,8 @@ CACHE_AXES = ("layers", "batch", "cache_length", "act_kv_heads", "head_dim")
 # One layer's values and (transposed) keys in a per-layer cache, see KVCache.
 LAYER_CACHE_AXES = ("batch", "act_kv_heads", "cache_length", "head_dim")
 LAYER_KEY_AXES = ("batch", "act_kv_heads", "head_dim", "cache_length")
+# The logits of an LM head in the spread layout (`Qwen2.logits`): every row, a share of the vocabulary.
+HEAD_LOGITS_AXES = ("spread_rows", "act_head_vocab")
 
 
 def cache_axes(per_layer: bool) -> tuple[tuple[str, ...], tuple[str, ...]]:
@@ -274,24 +281,36 @@ class Qwen2(nnx.Module):
         hidden, _ = self.hidden_states(tokens, attention_mask=attention_mask)
         return self.logits(hidden)
 
-    def logits(self, hidden: jax.Array) -> jax.Array:
-        """LM head on final (normed) hidden states [..., E] -> float32 logits [..., V]."""
+    def logits(self, hidden: jax.Array, keep_head_layout: bool = False) -> jax.Array:
+        """LM head on final (normed) hidden states [..., E] -> float32 logits [..., V].
+
+        `keep_head_layout`: where the head computes them in the spread layout (`spreads_head`),
+        leave them there, every row on every device and the vocabulary split over all of them
+        (`HEAD_LOGITS_AXES`), for a caller that reduces them there (the decode step's sampling)."""
         w = self.lm_head_weight()
         flat = hidden.reshape(-1, hidden.shape[-1])
-        n, v = flat.shape[0], w.shape[-1]
+        v = w.shape[-1]
         # An untied head on the sampler's spread mesh is split over the row groups too
         # (`head_vocab`): there the rows, when they weigh less than a device's share of the head
         # (one token per row: a decode step, the last token of a prefill or an insert), are
         # gathered to every group; each device computes its slice of the vocabulary for all of
-        # them, and an all-to-all hands each group its own rows' logits, split over the
-        # vocabulary as everywhere else (`act_vocab`).
-        gather = not self.config.tie_word_embeddings and n * shards("vocab", v) < v and _gathers_rows(n)
+        # them, and (unless `keep_head_layout`) an all-to-all hands each group its own rows'
+        # logits, split over the vocabulary as everywhere else (`act_vocab`).
+        gather = self.spreads_head(flat.shape[0])
         if gather:
             flat = constrain(flat, ("spread_rows", "act_embed"))
         out = jnp.dot(flat, w, preferred_element_type=jnp.float32)
         if gather:
-            out = constrain(constrain(out, ("spread_rows", "act_head_vocab")), ("batch", "act_vocab"))
+            out = constrain(out, HEAD_LOGITS_AXES)
+            if not keep_head_layout:
+                out = constrain(out, ("batch", "act_vocab"))
         return out.reshape(*hidden.shape[:-1], v)
+
+    def spreads_head(self, n: int) -> bool:
+        """Whether the LM head computes `n` rows' logits in the spread layout (`logits`): an
+        untied head split over the row groups, rows that weigh less than a device's share of it."""
+        v = self.config.vocab_size
+        return not self.config.tie_word_embeddings and n * shards("vocab", v) < v and _gathers_rows(n)
 
     def lm_head_weight(self) -> jax.Array:
         """[E, V] output projection in the compute dtype (for chunked log-prob code)."""

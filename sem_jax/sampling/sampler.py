@@ -20,8 +20,8 @@ import numpy as np
 from flax import nnx
 
 from sem_jax import hosts
-from sem_jax.model.qwen2 import KVCache, Qwen2, cache_axes, per_layer_default
-from sem_jax.sharding import constrain, put, shard_params, shards
+from sem_jax.model.qwen2 import HEAD_LOGITS_AXES, KVCache, Qwen2, cache_axes, per_layer_default
+from sem_jax.sharding import constrain, logical_to_spec, put, shard_params, shards
 from sem_jax.sampling.stop import StopAutomaton
 
 
@@ -42,6 +42,11 @@ class SamplingConfig:
     greedy: bool = False
     eos_ids: tuple[int, ...] = ()
     max_inserted_tokens: int = 0  # room for inserted (retrieved) tokens beside the sampled ones
+
+    @property
+    def whole_vocabulary(self) -> bool:
+        """Greedy, or sampling from the whole (temperature-scaled) distribution: no top-k, top-p."""
+        return self.greedy or (not self.top_k and self.top_p == 1.0)
 
     @property
     def response_tokens(self) -> int:
@@ -121,7 +126,7 @@ def max_argmax(x: jax.Array, width: int | None = None) -> tuple[jax.Array, jax.A
 def sample_tokens(logits: jax.Array, key: jax.Array, cfg: SamplingConfig) -> tuple[jax.Array, jax.Array]:
     """Sample one token per row; returns (ids [B], logprob [B] under the temperature-scaled distribution)."""
     scaled = logits if cfg.greedy else logits / cfg.temperature
-    if cfg.greedy or (not cfg.top_k and cfg.top_p == 1.0):
+    if cfg.whole_vocabulary:
         # Token and log-prob straight from exp(x - max): no [B, V] log-softmax on the way.
         top, tok = max_argmax(scaled) if cfg.greedy else (jnp.max(scaled, -1, keepdims=True), None)
         p = jnp.exp(scaled - top)
@@ -142,6 +147,63 @@ def sample_tokens(logits: jax.Array, key: jax.Array, cfg: SamplingConfig) -> tup
         vals = jnp.where(keep, vals, -jnp.inf)
     tok = jnp.take_along_axis(idx, _inverse_cdf(jnp.exp(vals - vals[:, :1]), key)[:, None], -1)[:, 0]
     return tok.astype(jnp.int32), jnp.take_along_axis(logp, tok[:, None], -1)[:, 0]
+
+
+def _sum_argmax(a, b):
+    """Reducer of (sum, max, index of the first max; a NaN counts as a max) triples."""
+    (s1, v1, i1), (s2, v2, i2) = a, b
+    first = (v1 > v2) | (v1 != v1) | ((v1 == v2) & (i1 < i2))
+    return s1 + s2, jnp.where(first, v1, v2), jnp.where(first, i1, i2)
+
+
+def sample_spread(logits: jax.Array, key: jax.Array, cfg: SamplingConfig) -> tuple[jax.Array, jax.Array]:
+    """`sample_tokens` for logits [B, V] in the LM head's spread layout (`HEAD_LOGITS_AXES`: the
+    vocabulary split over every device), where they lie, for a `cfg` that samples from the whole
+    vocabulary. Each device draws its share's candidate by the Gumbel-max trick (the argmax of the
+    scaled logits plus Gumbel noise of its own, in one pass over its logits with the softmax's
+    normaliser), and the devices compare their candidates, three numbers per row. No logit leaves
+    its device or is copied into another layout (handing the 7B's logits to the rows' groups and
+    chunking them for `_inverse_cdf` moved 140 MB more per decode step on a v4). Greedy: the first maximum, as `sample_tokens`; sampled: a draw from the same
+    distribution as `sample_tokens`, not the same draw (which depends on the mesh)."""
+    if not cfg.whole_vocabulary:
+        raise ValueError("sample_spread samples from the whole vocabulary: no top_k or top_p")
+    mesh = jax.sharding.get_abstract_mesh()
+    spec = jax.sharding.PartitionSpec() if mesh.empty else logical_to_spec(HEAD_LOGITS_AXES, logits.shape,
+                                                                          dict(mesh.shape))
+    names = lambda a: () if a is None else (a,) if isinstance(a, str) else tuple(a)
+    rows, vocab = (names(a) for a in (*spec, None, None)[:2])
+    scale = 1.0 if cfg.greedy else 1.0 / cfg.temperature
+
+    def index(axes):  # this device's place along `axes`, 0 without any
+        i = 0
+        for a in axes:
+            i = i * jax.lax.axis_size(a) + jax.lax.axis_index(a)
+        return i
+
+    def local(x, key):
+        top = (jax.lax.pmax(jnp.max(x, -1), vocab) if vocab else jnp.max(x, -1)) * scale
+        score = x * scale
+        if not cfg.greedy:
+            score = score + jax.random.gumbel(jax.random.fold_in(key, index(rows + vocab)), x.shape)
+        # The softmax's normaliser and the candidate in one reduction: one pass over the logits.
+        ids = jax.lax.broadcasted_iota(jnp.int32, x.shape, 1)
+        sums, best, j = jax.lax.reduce((jnp.exp(x * scale - top[:, None]), score, ids),
+                                       (jnp.float32(0), jnp.float32(-jnp.inf), jnp.int32(0)), _sum_argmax, (1,))
+        total = jax.lax.psum(sums, vocab) if vocab else sums
+        tok = j + index(vocab) * x.shape[-1]
+        picked = jnp.take_along_axis(x, j[:, None], -1)[:, 0] * scale
+        if vocab:  # the best candidate over the devices, the lowest id on a tie (the first maximum)
+            best, tok, picked = (jax.lax.all_gather(c, vocab) for c in (best, tok, picked))
+            first = jnp.min(jnp.where(best == jnp.max(best, 0), tok, jnp.iinfo(jnp.int32).max), 0)
+            d = jnp.argmax(tok == first, 0)[None]
+            tok, picked = (jnp.take_along_axis(c, d, 0)[0] for c in (tok, picked))
+        return tok, picked - top - jnp.log(total)
+
+    if mesh.empty:
+        return local(logits, key)
+    out = jax.sharding.PartitionSpec(spec[0] if spec else None)
+    return jax.shard_map(local, mesh=mesh, in_specs=(spec, jax.sharding.PartitionSpec()), out_specs=(out, out),
+                         check_vma=False)(logits, key)
 
 
 def _inverse_cdf(probs: jax.Array, key: jax.Array, width: int | None = None) -> jax.Array:
@@ -214,7 +276,9 @@ def decode_step(model: Qwen2, layers, s: SamplerState, stop_table, eos_ids, *, c
     rows = jnp.arange(s.resp.shape[0])
     key, sub = jax.random.split(s.key)
     active = s.active
-    tok, logprob = sample_tokens(model.logits(s.hidden), sub, cfg)
+    spread = cfg.whole_vocabulary and model.spreads_head(rows.shape[0])
+    tok, logprob = (sample_spread if spread else sample_tokens)(
+        model.logits(s.hidden, keep_head_layout=spread), sub, cfg)
     at = jnp.where(active, s.resp_len, s.resp.shape[1])  # inactive rows write nowhere
     resp = s.resp.at[rows, at].set(tok, mode="drop")
     resp_logprob = s.resp_logprob.at[rows, at].set(logprob, mode="drop")
@@ -348,9 +412,9 @@ class Sampler:
     of at least `window_steps` tokens (each window size compiles once); 0 reads the whole
     cache (sized for the full response budget) at every step, with a single compile.
 
-    `per_layer` (default: `per_layer_default()`) keeps a copy of each layer's weights as arrays
-    of their own ([out, in] kernels) and a per-layer KV cache (see `Qwen2.hidden_states`):
-    faster decode on XLA:CPU for one more copy of the layer weights.
+    `per_layer` (default: `per_layer_default(sampler=True)`: on CPUs and GPUs) keeps a copy of each
+    layer's weights as arrays of their own ([out, in] kernels) and a per-layer KV cache (see
+    `Qwen2.hidden_states`): a faster decode there for one more copy of the layer weights.
 
     With a `mesh`, rows are sharded over its batch axes and each process passes (and gets
     back, through `local`) only its own rows; widths are agreed between processes so that
@@ -366,7 +430,7 @@ class Sampler:
         self.cache_dtype = model.dtype
         self.mesh = mesh
         self.max_prompt_tokens = max_prompt_tokens  # longer prompts are refused, not compiled for
-        self.per_layer = per_layer_default() if per_layer is None else per_layer
+        self.per_layer = per_layer_default(sampler=True) if per_layer is None else per_layer
         self.set_params(params)
         self.config = cfg
         self.calls = calls or hosts.CallLog(False)
