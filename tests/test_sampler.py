@@ -368,3 +368,24 @@ def test_tensor_groups_refuse_what_does_not_divide():
     grouped = tensor_groups(mesh, 8)
     assert dict(grouped.shape) == {"data": 1, "fsdp": 1, "tensor": 8}
     assert sorted(d.id for d in grouped.devices.flat) == sorted(d.id for d in mesh.devices.flat)
+
+
+def test_per_layer_defaults_by_platform():
+    """The sampler runs its layers one by one on CPUs and GPUs (the scan copies each layer's slices
+    there, and on a GPU transposed the whole KV cache at every step), the trainer on CPUs only; the
+    fit check and the roofline's measured programs take the sampler's per-layer copies where it
+    keeps them, none on a TPU."""
+    from flax import nnx
+
+    from sem_jax.aot import sampler_layers
+    from sem_jax.model.qwen2 import per_layer_default
+
+    assert [per_layer_default(sampler=True, platform=p) for p in ("cpu", "gpu", "tpu")] == [True, True, False]
+    assert [per_layer_default(platform=p) for p in ("cpu", "gpu", "tpu")] == [True, False, False]
+    graphdef, params = nnx.split(random_qwen2())
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), params)
+    assert sampler_layers(graphdef, abstract, "tpu") is None
+    copies = sampler_layers(graphdef, abstract, "gpu")
+    want = sm.layer_list(graphdef, params)
+    assert jax.tree.structure(copies) == jax.tree.structure(want)
+    assert all(a.shape == b.shape and a.dtype == b.dtype for a, b in zip(jax.tree.leaves(copies), jax.tree.leaves(want)))
