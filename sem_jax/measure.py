@@ -195,16 +195,20 @@ def compare(calls: list, measured: dict[str, dict], chip_name: str | None, chip=
     chip (`roofline.Chip`) the prediction from XLA's counts and the floor from the ideal ones (the
     model's FLOPs and bytes at the chip's peaks), each against the measurement, and the MFU and
     bandwidth utilisation measured; the step from its calls."""
-    rows, step = {}, {"measured_s": 0.0, "predicted_s": 0.0, "floor_s": 0.0}
+    from sem_jax.roofline import Call, step_seconds  # here: roofline imports this module
+
+    seconds = lambda c, _: measured[c.name]["ms"] / 1e3  # noqa: E731
+    step = {"measured_s": sum(step_seconds(calls, chip, seconds).values()), "predicted_s": 0.0, "floor_s": 0.0}
+    if chip:
+        step.update(predicted_s=sum(step_seconds(calls, chip, Call.seconds).values()),
+                    floor_s=sum(step_seconds(calls, chip, Call.floor).values()))
+    rows = {}
     for c in calls:
-        sec = measured[c.name]["ms"] / 1e3
+        sec = seconds(c, chip)
         row = dict(ms=1e3 * sec, xla_tflops=c.flops / sec / 1e12, xla_gbps=c.bytes / sec / 1e9,
                    xla_counts_all=not c.undercounted)
-        step["measured_s"] += c.per_step * sec
         if chip:
             pred, floor = c.seconds(chip), c.floor(chip)
-            step["predicted_s"] += c.per_step * pred
-            step["floor_s"] += c.per_step * floor
             row.update(predicted_ms=1e3 * pred, ratio=sec / pred if pred else float("nan"), bound=c.bound(chip),
                        floor_ms=1e3 * floor, over_floor=sec / floor if floor else float("nan"),
                        mfu=c.ideal_flops / (sec * chip.flops), bandwidth=c.ideal_bytes / (sec * chip.hbm))
