@@ -111,7 +111,7 @@ def abstract_model(config: ConfigDict, mcfg: Qwen2Config, mesh, param_dtype, sca
     model = nnx.eval_shape(lambda: Qwen2(mcfg, rngs=nnx.Rngs(0), param_dtype=jnp.dtype(param_dtype),
                                          dtype=jnp.dtype(config.model.compute_dtype), remat=config.model.remat,
                                          scan_unroll=scan_unroll, cache_kernel=config.model.kernels,
-                                         attention_kernel=config.model.kernels))
+                                         attention_kernel=config.model.kernels, decode_kernel=config.model.kernels))
     graphdef, state = nnx.split(model)
     params = jax.tree.map(
         lambda v: v.replace(jax.ShapeDtypeStruct(v.shape, v.dtype,

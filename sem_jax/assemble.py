@@ -191,7 +191,8 @@ def build_policy(config: ConfigDict, texts: Callable[[], list[str]] | None, run_
         if jax.process_index() == 0:
             tokenizer.save_pretrained(tok_dir)
     model = Qwen2(init_model_config(config, tokenizer), rngs=nnx.Rngs(config.seed), param_dtype=dtype,
-                  dtype=compute, remat=m.remat, cache_kernel=m.kernels, attention_kernel=m.kernels)
+                  dtype=compute, remat=m.remat, cache_kernel=m.kernels, attention_kernel=m.kernels,
+                  decode_kernel=m.kernels)
     return model, tokenizer
 
 

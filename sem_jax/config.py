@@ -37,9 +37,9 @@ def base_config() -> ConfigDict:
     c.model.compute_dtype = "float32"                   # activation dtype
     c.model.eval_dtype = ""                             # parameter dtype of sem_jax.evaluate ("": model.dtype)
     c.model.remat = "none"                              # none | full | dots | dots_no_batch
-    c.model.kernels = "auto"                            # attention kernels: auto (Pallas where they apply on
+    c.model.kernels = "auto"                            # Pallas kernels: auto (Pallas where they apply on
                                                         # TPU) | xla | pallas | interpret (Qwen2(cache_kernel=,
-                                                        # attention_kernel=))
+                                                        # attention_kernel=, decode_kernel=))
     # Random-init model when model.path is None: a small BPE is trained on the data.
     c.model.init = ConfigDict(dict(tokenizer_vocab=512, hidden_size=64, intermediate_size=128,
                                    num_layers=2, num_heads=4, num_kv_heads=2, rope_theta=1e6,

@@ -34,7 +34,8 @@ def test_kernel_matches_a_float64_softmax(t):
     """Rows of length 0, inside the first block, across blocks and at the window; the window not
     a multiple of the block; row groups whose blocks past their longest row are never fetched;
     query rows padded to a sublane and tiled in blocks (8 rows of 24 at T = 3); this call's own keys
-    merged in (causal when T > 1)."""
+    merged in (causal when T > 1), or at T = 1 taken into the kernel's softmax (`own`), which
+    returns the normalised output in bfloat16."""
     rng = np.random.default_rng(t)
     layers, b, slots, d, g, window = 3, 8, 100, 128, 7, 72
     bf = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.bfloat16)
@@ -55,6 +56,15 @@ def test_kernel_matches_a_float64_softmax(t):
         # p is rounded to bfloat16 before the value dot, as in XLA's path
         np.testing.assert_allclose(np.asarray(got), want, atol=2e-2, rtol=0)
         assert np.abs(np.asarray(got) - want).mean() < 2e-3
+        if t == 1:
+            own = tuple(jnp.moveaxis(a, 1, 2) for a in (k_new, v_new))  # [B, K, 1, D]
+            out = jax.jit(lambda q, kc, vc, i, n, own: cache_attention_local(
+                q, kc, vc, i, n, window, own, block=block, query_block=query_block, interpret=True))(
+                q, kc, vc, jnp.int32(1), jnp.asarray(lengths), own)
+            assert out.dtype == jnp.bfloat16 and out.shape == q.shape
+            out = np.asarray(out, np.float32)
+            np.testing.assert_allclose(out, want, atol=2e-2, rtol=0)
+            assert np.abs(out - want).mean() < 2e-3
 
 
 CFG = Qwen2Config(vocab_size=211, hidden_size=48, intermediate_size=96, num_layers=3, num_heads=6,

@@ -201,6 +201,17 @@ def test_vocabulary_walks_keep_tensor_sharded_logits_in_place():
             np.testing.assert_allclose(np.asarray(l1), np.asarray(l0), rtol=1e-5, atol=1e-5)
 
 
+def _assert_draws_follow(toks: np.ndarray, logp: np.ndarray):
+    """Draws toks [draws, rows] follow the log-probabilities logp [rows, V]: each row's 10 likeliest
+    tokens within 5 standard deviations of their expected counts, none of probability < 1e-7."""
+    for r in range(logp.shape[0]):
+        counts, probs = np.bincount(toks[:, r], minlength=logp.shape[1]), np.exp(logp[r])
+        top = np.argsort(-probs)[:10]
+        expected = probs[top] * toks.shape[0]
+        assert np.all(np.abs(counts[top] - expected) < 5 * np.sqrt(expected) + 5), r
+        assert counts[probs < 1e-7].sum() == 0
+
+
 def test_spread_sampling_draws_from_the_softmax_where_the_logits_lie():
     """`sample_spread` on logits in the LM head's spread layout (8 devices: the vocabulary split 8
     ways, every row on each): greedy picks the first maximum, also across devices; sampled tokens
@@ -232,17 +243,79 @@ def test_spread_sampling_draws_from_the_softmax_where_the_logits_lie():
     np.testing.assert_allclose(np.asarray(lp), np.asarray(want_lp), atol=1e-5)
     logp = np.asarray(jax.nn.log_softmax(logits / 0.7, -1))
     np.testing.assert_allclose(lps, np.take_along_axis(logp, toks.T, 1).T, atol=1e-5)
-    for r in range(b):
-        counts, probs = np.bincount(toks[:, r], minlength=v), np.exp(logp[r])
-        top = np.argsort(-probs)[:10]
-        expected = probs[top] * len(keys)
-        assert np.all(np.abs(counts[top] - expected) < 5 * np.sqrt(expected) + 5), r
-        assert counts[probs < 1e-7].sum() == 0
+    _assert_draws_follow(toks, logp)
     moved = [np.prod([int(d) for d in dims.split(",")])
              for dims in re.findall(r"= \(?\w+\[([\d,]+)\]\S* (?:all-gather|all-to-all|all-reduce)", hlo)]
     assert moved and max(moved) <= 8 * len(keys) * b, moved  # 8 devices' candidates, not [rows, V]
     with pytest.raises(ValueError, match="whole vocabulary"):
         sm.sample_spread(logits, keys[0], SamplingConfig(max_new_tokens=1, top_k=5))
+
+
+@pytest.mark.parametrize("v", [768, 1024])  # 96 per device: the head's slice stored transposed on a TPU
+def test_head_kernel_samples_without_writing_the_logits(v):
+    """`sample_spread` through `head_kernel` (interpreted; 8 devices, the head's vocabulary split 8
+    ways): from the rows and the head's weight, greedy picks the first maximum of their logits
+    (a tie across devices too) and sampled tokens follow softmax(logits / T), with log_softmax's
+    log-probs; the noise is a function of the key, row and token id, so the draws are the mesh's
+    own no more."""
+    from jax.sharding import NamedSharding
+
+    from sem_jax.sharding import logical_to_spec, make_mesh, tensor_groups
+
+    b, e = 6, 128
+    h = jax.random.normal(jax.random.key(1), (b, e))
+    w = jax.random.normal(jax.random.key(2), (e, v)) * 3.0 / np.sqrt(e)
+    big = h[2] / jnp.linalg.norm(h[2]) * 50.0 / jnp.linalg.norm(h[2])
+    w = w.at[:, 17].set(big).at[:, v - 100].set(big)  # row 2's maximum, tied between two devices
+    logits = h @ w
+    greedy, sampled = SamplingConfig(max_new_tokens=1, greedy=True), SamplingConfig(max_new_tokens=1, temperature=0.7)
+    keys = jax.random.split(jax.random.key(4), 2000)
+    runs = {}
+    for name, mesh in (("spread", tensor_groups(make_mesh(data=1, fsdp=-1, tensor=1), 2, spread=True)),
+                       ("pairs", tensor_groups(make_mesh(data=1, fsdp=-1, tensor=1), 2, spread=False))):
+        with jax.set_mesh(mesh):
+            wp = jax.device_put(w, NamedSharding(mesh, logical_to_spec(("embed", "head_vocab"), w.shape,
+                                                                       dict(mesh.shape))))
+            head = lambda k, cfg: sm.sample_spread(None, k, cfg, head=(h, wp, "interpret"))
+            tok, lp = jax.jit(lambda k: head(k, greedy))(keys[0])
+            toks, lps = (np.asarray(a) for a in jax.jit(jax.vmap(lambda k: head(k, sampled)))(keys))
+        runs[name] = toks
+    want_tok, want_lp = sample_tokens(logits, keys[0], greedy)
+    assert np.asarray(tok).tolist() == np.asarray(want_tok).tolist() and int(tok[2]) == 17
+    np.testing.assert_allclose(np.asarray(lp), np.asarray(want_lp), atol=1e-4)
+    logp = np.asarray(jax.nn.log_softmax(logits / 0.7, -1))
+    np.testing.assert_allclose(lps, np.take_along_axis(logp, toks.T, 1).T, atol=1e-4)
+    toks = runs["spread"]
+    _assert_draws_follow(toks, logp)
+    np.testing.assert_array_equal(runs["spread"], runs["pairs"])  # the vocabulary split 8 or 2 ways
+
+
+def test_decode_kernels_sample_as_xla():
+    """The sampler on the spread mesh (4 groups of 2) with its decode step's MLP in `fused_mlp` and
+    its LM head and sampling in `head_kernel` (both interpreted): the greedy tokens and log-probs
+    of XLA's dots and logits, through a decode, an insert and a decode again."""
+    from policies import Qwen2Config
+
+    from sem_jax.sharding import make_mesh, tensor_groups
+
+    cfg = Qwen2Config(vocab_size=1024, hidden_size=256, intermediate_size=1024, num_layers=2, num_heads=4,
+                      num_kv_heads=2, head_dim=128, rope_theta=1e6)
+    stop = stop_automaton_from_bytes([bytes([97 + i % 26]) for i in range(1024)], ("</search>",))
+    model = random_qwen2(0, cfg)
+    mesh = tensor_groups(make_mesh(data=1, fsdp=-1, tensor=1), 2, spread=True)
+    prompts = [[5, 17, 42], [9, 1, 2, 3, 4, 5, 6, 7, 8, 100], [33], [4, 4]]
+    runs = {}
+    for mode in ("interpret", "xla"):
+        model.decode_kernel = mode
+        sampler = Sampler(model, stop, SamplingConfig(max_new_tokens=8, greedy=True), mesh=mesh, per_layer=False)
+        assert model.head_kernel_mode(8) == (None if mode == "xla" else mode)
+        state = sampler.decode(sampler.start(prompts, 2, jax.random.key(0)))
+        state = sampler.decode(sampler.insert(state, [[1, 2, 3]] * 4 + [[]] * 4))
+        runs[mode] = state
+    got, want = runs["interpret"], runs["xla"]
+    assert np.asarray(want.resp_len).min() > 0
+    np.testing.assert_array_equal(np.asarray(got.resp), np.asarray(want.resp))
+    np.testing.assert_allclose(np.asarray(got.resp_logprob), np.asarray(want.resp_logprob), atol=1e-4)
 
 
 @pytest.mark.parametrize("per_layer", [False, True])
@@ -350,12 +423,13 @@ def test_spread_layout_sends_the_rows_not_the_weights():
     mlp = cfg.num_layers * 3 * cfg.hidden_size * cfg.intermediate_size * 4  # float32 bytes
     head = cfg.hidden_size * cfg.vocab_size * 4
     assert spread["bytes"] <= group["bytes"] - 0.9 * (mlp + head) * (1 / 2 - 1 / 8)
-    # The [8, E] rows entering each layer's MLP and the head, and at most a device's share of the
-    # [8, V] float32 logits handed back to each group (gathering the weights instead would send
-    # several times a device's own 1/8 share of them).
+    # The [8, E] rows entering each layer's MLP and the head (each device receiving the 3/4 of them
+    # its group lacks), and at most a device's share of the [8, V] float32 logits handed back to
+    # each group (gathering the weights instead would send several times a device's own 1/8 share
+    # of them).
     rows = (cfg.num_layers + 1) * 8 * cfg.hidden_size * 4
     logits = 8 * cfg.vocab_size * 4 / 2
-    assert rows <= spread["ici"] - group["ici"] <= 4 * rows + logits < 0.2 * (mlp + head) / 8
+    assert 3 / 4 * rows <= spread["ici"] - group["ici"] <= 4 * rows + logits < 0.2 * (mlp + head) / 8
 
 
 def test_tensor_groups_refuse_what_does_not_divide():

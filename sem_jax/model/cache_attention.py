@@ -34,21 +34,36 @@ def _blocks(b: int, nq: int, query_block: int) -> tuple[int, int, int]:
     """(rows per block, query rows per block, query rows padded to whole blocks): a decode's few
     query rows (its heads) batched over 8 rows of the cache, an insert's thousands tiled into
     blocks that fit VMEM beside their accumulators."""
-    qb = min(-(-nq // 8) * 8, query_block)  # whole sublanes
+    # One block of all the query rows where they fit (a block as long as its dim needs no
+    # padding: a decode's 7 heads are not copied into 8), else whole sublanes.
+    qb = nq if nq <= query_block else query_block
     rows = next(n for n in (8, 4, 2, 1) if b % n == 0 and n * qb <= query_block)
     return rows, qb, -(-nq // qb) * qb
 
 
-def _kernel(layer_ref, lengths_ref, blocks_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref,
-            m_sc, l_sc, acc, *, rows: int, block: int, scale: float):
+def _kernel(layer_ref, lengths_ref, blocks_ref, q_ref, k_ref, v_ref, *refs, rows: int, block: int, scale: float,
+            own: bool):
     del layer_ref, blocks_ref  # used by the index maps only
+    if own:
+        ko_ref, vo_ref, o_ref, m_sc, l_sc, acc = refs
+    else:
+        o_ref, m_ref, l_ref, m_sc, l_sc, acc = refs
     g, s = pl.program_id(0), pl.program_id(3)
 
     @pl.when(s == 0)
     def _():
-        m_sc[...] = jnp.full(m_sc.shape, NEG, jnp.float32)
-        l_sc[...] = jnp.zeros(l_sc.shape, jnp.float32)
-        acc[...] = jnp.zeros(acc.shape, jnp.float32)
+        if own:  # the softmax starts from the row's own key: max its score, sum 1, output its value
+            for r in range(rows):
+                # [Q, D] . [1, D] as a product and a lane sum (a dot with one column fails to lower)
+                first = jnp.sum(q_ref[r].astype(jnp.float32) * ko_ref[r].astype(jnp.float32), axis=1,
+                                keepdims=True) * scale  # [Q, 1]
+                m_sc[r] = jnp.broadcast_to(first, m_sc.shape[1:])
+                acc[r] = jnp.broadcast_to(vo_ref[r].astype(jnp.float32), acc.shape[1:])
+            l_sc[...] = jnp.ones(l_sc.shape, jnp.float32)
+        else:
+            m_sc[...] = jnp.full(m_sc.shape, NEG, jnp.float32)
+            l_sc[...] = jnp.zeros(l_sc.shape, jnp.float32)
+            acc[...] = jnp.zeros(acc.shape, jnp.float32)
 
     start = s * block
     for r in range(rows):
@@ -77,17 +92,25 @@ def _kernel(layer_ref, lengths_ref, blocks_ref, q_ref, k_ref, v_ref, o_ref, m_re
 
     @pl.when(s == pl.num_programs(3) - 1)
     def _():
-        o_ref[...] = acc[...]
-        m_ref[...] = m_sc[...]
-        l_ref[...] = l_sc[...]
+        if own:
+            o_ref[...] = (acc[...] / l_sc[:, :, :1]).astype(o_ref.dtype)
+        else:
+            o_ref[...] = acc[...]
+            m_ref[...] = m_sc[...]
+            l_ref[...] = l_sc[...]
 
 
 def cache_attention_local(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, layer: jax.Array,
-                          lengths: jax.Array, window: int, *, block: int = 512, query_block: int = 512,
-                          interpret: bool = False) -> tuple[jax.Array, jax.Array, jax.Array]:
+                          lengths: jax.Array, window: int, own: tuple[jax.Array, jax.Array] | None = None, *,
+                          block: int = 512, query_block: int = 512, interpret: bool = False):
     """One device's attention of q [B, K, Q, D] over slots < lengths[b] (at most `window`) of
     layer `layer` of k_cache/v_cache [L, B, S, K, D], K == 1. Returns the unnormalised output
-    [B, K, Q, D] float32 and the running max and sum [B, K, Q] float32."""
+    [B, K, Q, D] float32 and the running max and sum [B, K, Q] float32, for the caller to merge
+    its own keys in (`merge`).
+
+    `own`: each row's one own key and value [B, K, 1, D] (a decode step's, seen by all its query
+    rows), which the softmax starts from: returns the attention output [B, K, Q, D] in q's dtype,
+    normalised, and nothing else (no float32 output, running max and sum written and read back)."""
     b, kv, nq, d = q.shape
     rows, qb, qp = _blocks(b, nq, query_block)
     # As few blocks of at most `block` slots as cover the window, evened out (2784 = 6 x 464) so
@@ -107,52 +130,64 @@ def cache_attention_local(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, 
         return g, j, i, 0
 
     cache_spec = pl.BlockSpec((None, rows, None, block, d), cache_map)
-    out_specs = [pl.BlockSpec((rows, None, qb, d), row_map),
-                 pl.BlockSpec((rows, None, qb, LANES), row_map),
-                 pl.BlockSpec((rows, None, qb, LANES), row_map)]
+    row_spec = lambda width: pl.BlockSpec((rows, None, qb, width), row_map)
     item = k_cache.dtype.itemsize
     q_blocks = qp // qb  # the cache window is read once per block of query rows
-    cost = pl.CostEstimate(
-        flops=4 * b * qp * n_blocks * block * d,
-        transcendentals=b * qp * n_blocks * block,
-        bytes_accessed=2 * b * q_blocks * n_blocks * block * d * item + q.size * q.dtype.itemsize
-        + b * qp * (d + 2 * LANES) * 4)
-    o, m, l = pl.pallas_call(
-        functools.partial(_kernel, rows=rows, block=block, scale=d ** -0.5),
+    window_bytes = 2 * b * q_blocks * n_blocks * block * d * item + q.size * q.dtype.itemsize
+    flops, exps = 4 * b * qp * n_blocks * block * d, b * qp * n_blocks * block
+    if own is None:
+        extra_in, out_specs = [], [row_spec(d), row_spec(LANES), row_spec(LANES)]
+        out_shape = [jax.ShapeDtypeStruct((b, kv, qp, d), jnp.float32),
+                     jax.ShapeDtypeStruct((b, kv, qp, LANES), jnp.float32),
+                     jax.ShapeDtypeStruct((b, kv, qp, LANES), jnp.float32)]
+        nbytes = window_bytes + b * qp * (d + 2 * LANES) * 4
+    else:
+        own_spec = pl.BlockSpec((rows, None, 1, d), lambda g, j, i, s, *_: (g, j, 0, 0))
+        extra_in, out_specs = [own_spec, own_spec], [row_spec(d)]
+        out_shape = [jax.ShapeDtypeStruct((b, kv, qp, d), q.dtype)]
+        nbytes = window_bytes + sum(a.size * a.dtype.itemsize for a in own) + b * kv * qp * d * q.dtype.itemsize
+    out = pl.pallas_call(
+        functools.partial(_kernel, rows=rows, block=block, scale=d ** -0.5, own=own is not None),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=3, grid=(b // rows, kv, q_blocks, n_blocks),
-            in_specs=[pl.BlockSpec((rows, None, qb, d), row_map), cache_spec, cache_spec],
+            in_specs=[row_spec(d), cache_spec, cache_spec, *extra_in],
             out_specs=out_specs,
             scratch_shapes=[pltpu.VMEM((rows, qb, LANES), jnp.float32),
                             pltpu.VMEM((rows, qb, LANES), jnp.float32),
                             pltpu.VMEM((rows, qb, d), jnp.float32)]),
-        out_shape=[jax.ShapeDtypeStruct((b, kv, qp, d), jnp.float32),
-                   jax.ShapeDtypeStruct((b, kv, qp, LANES), jnp.float32),
-                   jax.ShapeDtypeStruct((b, kv, qp, LANES), jnp.float32)],
+        out_shape=out_shape,
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=("parallel", "parallel", "parallel", "arbitrary")),
-        cost_estimate=cost, interpret=interpret, name="cache_attention",
+        cost_estimate=pl.CostEstimate(flops=flops, transcendentals=exps, bytes_accessed=nbytes),
+        interpret=interpret, name="cache_attention",
     )(jnp.reshape(layer, (1,)).astype(jnp.int32), lengths, last, q,
-      jnp.swapaxes(k_cache, 2, 3), jnp.swapaxes(v_cache, 2, 3))
+      jnp.swapaxes(k_cache, 2, 3), jnp.swapaxes(v_cache, 2, 3), *(own or ()))
+    if own is not None:
+        return out[0][:, :, :nq]
+    o, m, l = out
     return o[:, :, :nq], m[:, :, :nq, 0], l[:, :, :nq, 0]
 
 
 def cache_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, layer: jax.Array,
-                    lengths: jax.Array, window: int, cache_axes: tuple[str, ...], *, interpret: bool = False):
+                    lengths: jax.Array, window: int, cache_axes: tuple[str, ...],
+                    own: tuple[jax.Array, jax.Array] | None = None, *, interpret: bool = False):
     """`cache_attention_local` on every device of the ambient mesh (`jax.set_mesh`), each on its
-    own rows and KV head: q [B, K, Q, D] by (batch, act_kv_heads), the caches by their logical
-    `cache_axes`, lengths by batch."""
+    own rows and KV head: q [B, K, Q, D] (and `own`'s keys and values [B, K, 1, D]) by (batch,
+    act_kv_heads), the caches by their logical `cache_axes`, lengths by batch."""
     mesh = jax.sharding.get_abstract_mesh()
-    local = functools.partial(cache_attention_local, window=window, interpret=interpret)
+    local = lambda q, k_cache, v_cache, layer, lengths, own: cache_attention_local(
+        q, k_cache, v_cache, layer, lengths, window, own, interpret=interpret)
     if mesh.empty:
-        return local(q, k_cache, v_cache, layer, lengths)
+        return local(q, k_cache, v_cache, layer, lengths, own)
     shape = dict(mesh.shape)
     q_spec = logical_to_spec(("batch", "act_kv_heads", None, None), q.shape, shape)
     c_spec = logical_to_spec(cache_axes, k_cache.shape, shape)
     r_spec = logical_to_spec(("batch", "act_kv_heads", None), q.shape[:3], shape)
     b_spec = logical_to_spec(("batch",), lengths.shape, shape)
-    return jax.shard_map(local, mesh=mesh, in_specs=(q_spec, c_spec, c_spec, jax.sharding.PartitionSpec(), b_spec),
-                         out_specs=(q_spec, r_spec, r_spec), check_vma=False)(q, k_cache, v_cache, layer, lengths)
+    out_specs = q_spec if own is not None else (q_spec, r_spec, r_spec)
+    return jax.shard_map(local, mesh=mesh,
+                         in_specs=(q_spec, c_spec, c_spec, jax.sharding.PartitionSpec(), b_spec, q_spec),
+                         out_specs=out_specs, check_vma=False)(q, k_cache, v_cache, layer, lengths, own)
 
 
 def on_tpu() -> bool:
@@ -171,11 +206,16 @@ def attend_cache(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, k_ca
                  cache_axes: tuple[str, ...], *, interpret: bool = False) -> jax.Array:
     """`qwen2.attention` of q [B, T, H, D] over slots < lengths of layer `layer` of a stacked
     cache and over this call's own keys k, v [B, T, K, D] (mask [B, T, T], True = attend), the
-    cache part in the kernel. Returns [B, T, H, D] in q's dtype."""
+    cache part in the kernel (a decode step's one own key too: T = 1, always seen). Returns
+    [B, T, H, D] in q's dtype."""
     b, t, h, d = q.shape
     kv = k.shape[2]
     # Query rows (head in group, token): a decode's are its G heads, an insert's G * T.
     qk = jnp.moveaxis(q.reshape(b, t, kv, h // kv, d), 1, 3).reshape(b, kv, h // kv * t, d)
+    if t == 1:  # a decode step: its own key (always seen) goes into the kernel's softmax
+        own = tuple(jnp.moveaxis(a, 1, 2).astype(q.dtype) for a in (k, v))  # [B, K, 1, D]
+        out = cache_attention(qk, k_cache, v_cache, layer, lengths, window, cache_axes, own, interpret=interpret)
+        return out.reshape(b, 1, h, d)
     o, m, l = cache_attention(qk, k_cache, v_cache, layer, lengths, window, cache_axes, interpret=interpret)
     own = jnp.einsum("bkqd,btkd->bkqt", qk, k, preferred_element_type=jnp.float32) * d ** -0.5
     own = own.reshape(b, kv, h // kv, t, t)

@@ -142,7 +142,7 @@ def from_pretrained(path: str, *, dtype: Any = jnp.float32, compute_dtype: Any =
     cfg = read_config(path)
     ckpt = _Checkpoint(path)
     model = nnx.eval_shape(lambda: Qwen2(cfg, rngs=nnx.Rngs(0), param_dtype=dtype,
-                                         dtype=compute_dtype or dtype, remat=remat, cache_kernel=kernels,
+                                         dtype=compute_dtype or dtype, remat=remat, cache_kernel=kernels, decode_kernel=kernels,
                                          attention_kernel=kernels))
     by_param: dict[str, list] = {}
     for hf, name, layer, layout, shape in hf_tensors(cfg):

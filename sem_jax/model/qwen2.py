@@ -14,9 +14,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from sem_jax.model import cache_attention, flash_attention
+from sem_jax.model import cache_attention, flash_attention, head_kernel, qkv_kernel, spread_mlp
 from sem_jax.model.config import Qwen2Config
-from sem_jax.sharding import constrain, shards
+from sem_jax.sharding import constrain, logical_to_spec, shards
 
 # Layer parameter name -> (logical axes, initialiser kind).
 LAYER_PARAMS: dict[str, tuple[tuple[str, ...], str]] = {
@@ -161,11 +161,27 @@ def _kernel_choice(name: str, mode: str, applies: bool, auto: bool, needs: str) 
     return mode
 
 
+MLP_KERNELS = ("gate_kernel", "up_kernel", "down_kernel")
+
+
+def _mlp(h: jax.Array, p: dict[str, jax.Array], constrained: bool = False) -> jax.Array:
+    """Qwen2's gated MLP on rows h [N, E] with a layer's weights p; `constrained`: its activations
+    laid out by their logical axes (not inside a `shard_map`)."""
+    act = jax.nn.silu(_dense(h, p, "gate_kernel")) * _dense(h, p, "up_kernel")
+    if constrained:
+        act = constrain(act, ("batch", "act_mlp"))
+    return _dense(act, p, "down_kernel")
+
+
+def rms_scale(x: jax.Array, eps: float) -> jax.Array:
+    """Each row's float32 1 / RMS [..., 1] for `rms_norm`."""
+    xf = x.astype(jnp.float32)
+    return jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+
+
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     # As HF: normalise in f32, cast back, then scale.
-    xf = x.astype(jnp.float32)
-    normed = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
-    return weight.astype(x.dtype) * normed.astype(x.dtype)
+    return spread_mlp.normed(x, rms_scale(x, eps), weight)
 
 
 def rope_tables(positions: jax.Array, head_dim: int, theta: float) -> tuple[jax.Array, jax.Array]:
@@ -237,10 +253,11 @@ class Qwen2(nnx.Module):
 
     def __init__(self, config: Qwen2Config, *, rngs: nnx.Rngs, param_dtype: Any = jnp.float32,
                  dtype: Any = jnp.float32, remat: str = "none", scan_unroll: int = 1,
-                 cache_kernel: str = "auto", attention_kernel: str = "auto"):
+                 cache_kernel: str = "auto", attention_kernel: str = "auto", decode_kernel: str = "auto"):
         if remat not in REMAT_POLICIES:
             raise ValueError(f"remat={remat!r}; choose one of {sorted(REMAT_POLICIES)}")
-        for name, mode in (("cache_kernel", cache_kernel), ("attention_kernel", attention_kernel)):
+        for name, mode in (("cache_kernel", cache_kernel), ("attention_kernel", attention_kernel),
+                           ("decode_kernel", decode_kernel)):
             if mode not in KERNEL_MODES:
                 raise ValueError(f"{name}={mode!r}; choose one of {KERNEL_MODES}")
         self.config = config
@@ -248,9 +265,13 @@ class Qwen2(nnx.Module):
         # without a cache (`attention_kernel`: the training forward, a prefill): "pallas" (the
         # kernels of `cache_attention` and `flash_attention`), "interpret" (the same kernels
         # interpreted, on any backend: tests), "xla" (`attention`), "auto" (the kernel where it
-        # compiles for TPUs and applies, else XLA).
+        # compiles for TPUs and applies, else XLA). `decode_kernel`: the same for a decode step's
+        # fused kernels on stacked weights (`qkv_kernel`: its attention inputs; on the sampler's
+        # spread mesh `spread_mlp.fused_mlp`, and `head_kernel`, the LM head with sampling, where
+        # `head_kernel_mode` says).
         self.cache_kernel = cache_kernel
         self.attention_kernel = attention_kernel
+        self.decode_kernel = decode_kernel
         # Layers per iteration of the layer scans. XLA's cost analysis counts a loop's body once,
         # so `sem_jax.roofline` compiles 1 and 2 and takes one layer's cost as the difference.
         self.scan_unroll = scan_unroll
@@ -311,6 +332,16 @@ class Qwen2(nnx.Module):
         untied head split over the row groups, rows that weigh less than a device's share of it."""
         v = self.config.vocab_size
         return not self.config.tie_word_embeddings and n * shards("vocab", v) < v and _gathers_rows(n)
+
+    def head_kernel_mode(self, n: int) -> str | None:
+        """The `decode_kernel` mode in which the sampler draws a decode step's tokens for `n` rows
+        in the spread layout (`spreads_head`) by `head_kernel` (no logits written), or None for
+        `logits` and a reduction over them."""
+        c = self.config
+        v = c.vocab_size // shards("head_vocab", c.vocab_size)
+        applies = head_kernel.fits(n, c.hidden_size, v, jnp.dtype(self.dtype).itemsize)
+        return _kernel_choice("decode_kernel", self.decode_kernel, applies, applies and cache_attention.on_tpu(),
+                              f"{n} rows by a vocabulary slice of {v} in {head_kernel.VMEM_BUDGET} bytes of VMEM")
 
     def lm_head_weight(self) -> jax.Array:
         """[E, V] output projection in the compute dtype (for chunked log-prob code)."""
@@ -436,26 +467,25 @@ class Qwen2(nnx.Module):
         own = None if window else self._self_attention(t, mask, None)  # a prefill: no cache read
 
         def layer(x, xs):
-            p, kc, vc = xs
+            p, i, kc, vc = xs
             if own is not None:
                 attend = lambda q, k, v: (own(q, k, v), (k, v))
-            elif kernel:  # kc is this layer's index: the kernel reads the whole cache in place
+            elif kernel:  # the kernel reads layer i of the whole cache in place
                 attend = lambda q, k, v: (cache_attention.attend_cache(
-                    q, k, v, mask, cache.k, cache.v, kc, cache.lengths, window, CACHE_AXES,
+                    q, k, v, mask, cache.k, cache.v, i, cache.lengths, window, CACHE_AXES,
                     interpret=kernel == "interpret"), (k, v))
             else:
                 read = (kc.astype(self.dtype), vc.astype(self.dtype), cache_mask)
                 attend = lambda q, k, v: (attention(q, k, v, mask, read), (k, v))
-            return self._block(x, p, cos, sin, attend)
+            return self._block(x, p, cos, sin, attend, layer=i)
 
         rows = jnp.arange(b)[:, None]
         # Only the window is read: decode cost grows with the text, not with the cache
         # preallocated for the whole response budget.
-        if kernel:
-            kv_in = (jnp.arange(self.config.num_layers, dtype=jnp.int32), None)
-        else:
-            kv_in = (cache.k[:, :, :window], cache.v[:, :, :window]) if window else (None, None)
-        x, (k_new, v_new) = jax.lax.scan(self._remat(layer), x, (self._stacked(), *kv_in), unroll=self.scan_unroll)
+        kv_in = (cache.k[:, :, :window], cache.v[:, :, :window]) if window and not kernel else (None, None)
+        index = jnp.arange(self.config.num_layers, dtype=jnp.int32)  # for kernels that read the stacks in place
+        x, (k_new, v_new) = jax.lax.scan(self._remat(layer), x, (self._stacked(), index, *kv_in),
+                                         unroll=self.scan_unroll)
         # Written layer by layer after the scan, each layer's slab of the cache in place. (One
         # scatter for all layers wants the layers beside head_dim in memory, the scan wants them
         # outermost: the TPU compiler then copied the whole cache between the two at every step.)
@@ -543,18 +573,24 @@ class Qwen2(nnx.Module):
             return layer
         return jax.checkpoint(layer, policy=REMAT_POLICIES[self.remat], prevent_cse=False)
 
-    def _block(self, x: jax.Array, p: dict[str, jax.Array], cos: jax.Array, sin: jax.Array, attend):
+    def _block(self, x: jax.Array, p: dict[str, jax.Array], cos: jax.Array, sin: jax.Array, attend,
+               layer: jax.Array | None = None):
         """One decoder layer on x [B, T, E]; `attend(q, k, v)` -> (attention output, what the
-        layer returns beside x: its cache update)."""
+        layer returns beside x: its cache update). `layer`: p's index in the stacked weights
+        (`self.layers`), where p is a slice of them, for a kernel that reads them in place."""
         c = self.config
         p = jax.tree.map(lambda a: a.astype(self.dtype), p)
         b, t, e = x.shape
-        h = rms_norm(x, p["input_norm"], c.rms_norm_eps).reshape(b * t, e)
-        q = _dense(h, p, "q_kernel").reshape(b, t, c.num_heads, c.head_dim) + p["q_bias"]
-        k = _dense(h, p, "k_kernel").reshape(b, t, c.num_kv_heads, c.head_dim) + p["k_bias"]
-        v = _dense(h, p, "v_kernel").reshape(b, t, c.num_kv_heads, c.head_dim) + p["v_bias"]
-        q = constrain(apply_rope(q, cos, sin), ("batch", "length", "act_heads", "head_dim"))
-        k = constrain(apply_rope(k, cos, sin), ("batch", "length", "act_kv_heads", "head_dim"))
+        if t == 1 and (mode := self._qkv_kernel(b, p, layer)):
+            q, k, v = self._fused_qkv(x, p, layer, cos, sin, mode)
+        else:
+            h = rms_norm(x, p["input_norm"], c.rms_norm_eps).reshape(b * t, e)
+            q = _dense(h, p, "q_kernel").reshape(b, t, c.num_heads, c.head_dim) + p["q_bias"]
+            k = _dense(h, p, "k_kernel").reshape(b, t, c.num_kv_heads, c.head_dim) + p["k_bias"]
+            v = _dense(h, p, "v_kernel").reshape(b, t, c.num_kv_heads, c.head_dim) + p["v_bias"]
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q = constrain(q, ("batch", "length", "act_heads", "head_dim"))
+        k = constrain(k, ("batch", "length", "act_kv_heads", "head_dim"))
         v = constrain(v, ("batch", "length", "act_kv_heads", "head_dim"))
         out, carry = attend(q, k, v)
         x = x + _dense(out.reshape(b * t, c.num_heads, c.head_dim), p, "o_kernel").reshape(b, t, e)
@@ -562,18 +598,88 @@ class Qwen2(nnx.Module):
         # decode step gathers its rows to every group (a few MB) and reduce-scatters the output;
         # with many tokens (a prefill, an insert) the rows would outweigh the weights, which are
         # gathered instead.
-        gather = t == 1 and _gathers_rows(b)
-        rows = "spread_rows" if gather else "batch"
-        h = rms_norm(x, p["post_norm"], c.rms_norm_eps)
-        if gather:
-            h = constrain(h, (rows, "length", "act_embed"))
-        h = h.reshape(b * t, e)
-        act = jax.nn.silu(_dense(h, p, "gate_kernel")) * _dense(h, p, "up_kernel")
-        act = constrain(act.reshape(b, t, -1), (rows, "length", "act_mlp"))
-        out = _dense(act.reshape(b * t, -1), p, "down_kernel").reshape(b, t, e)
-        if gather:
-            out = constrain(out, ("batch", "length", "act_embed"))
+        if t == 1 and _gathers_rows(b):
+            return self._spread_mlp(x, p, layer), carry
+        h = rms_norm(x, p["post_norm"], c.rms_norm_eps).reshape(b * t, e)
+        out = _mlp(h, p, constrained=True).reshape(b, t, e)
         return constrain(x + out, ("batch", "length", "act_embed")), carry
+
+    def _qkv_kernel(self, b: int, p: dict[str, jax.Array], layer: jax.Array | None) -> str | None:
+        """The `decode_kernel` mode in which a one-token step of `b` rows computes its attention
+        inputs by `qkv_kernel` (on the stacked weights, layer `layer` of them), or None for XLA."""
+        c = self.config
+        names = ("q_kernel", "k_kernel", "v_kernel")
+        hq, hk = (n // shards(a, n) for n, a in ((c.num_heads, "heads"), (c.num_kv_heads, "kv_heads")))
+        applies = (layer is not None and all(k in p for k in names) and shards("embed", c.hidden_size) == 1
+                   and all(self.layers[k].dtype == jnp.dtype(self.dtype) for k in names)
+                   and qkv_kernel.fits(b // shards("batch", b), c.hidden_size, hq + 2 * hk, c.head_dim,
+                                       jnp.dtype(self.dtype).itemsize))
+        return _kernel_choice("decode_kernel", self.decode_kernel, applies, applies and cache_attention.on_tpu(),
+                              f"the stacked untransposed weights in the compute dtype, the embedding whole on "
+                              f"each device and {b} rows by {hq + 2 * hk} heads of {c.head_dim} in "
+                              f"{qkv_kernel.VMEM_BUDGET} bytes of VMEM")
+
+    def _fused_qkv(self, x: jax.Array, p: dict[str, jax.Array], layer: jax.Array, cos: jax.Array,
+                   sin: jax.Array, mode: str) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """q, k, v [B, 1, H, D] of a one-token step by `qkv_kernel`, each device on its rows and heads."""
+        c = self.config
+        mesh = jax.sharding.get_abstract_mesh()
+        shape = {} if mesh.empty else dict(mesh.shape)
+        spec = lambda names, a: logical_to_spec(names, a.shape, shape)
+        names = ("q_kernel", "k_kernel", "v_kernel")
+        stacked = [self.layers[k][...] for k in names]
+        biases = [p[k] for k in ("q_bias", "k_bias", "v_bias")]
+        rows = ("batch", "length", None)
+        out_axes = [("batch", a, "head_dim") for a in ("act_heads", "act_kv_heads", "act_kv_heads")]
+
+        def local(x, nw, wq, wk, wv, bq, bk, bv, cos, sin, layer):
+            r, t, e = x.shape
+            flat = x.reshape(r * t, e)
+            return qkv_kernel.fused_qkv(flat, rms_scale(flat, c.rms_norm_eps), nw.reshape(1, e), wq, wk, wv,
+                                        bq, bk, bv, cos.reshape(r * t, -1), sin.reshape(r * t, -1), layer,
+                                        interpret=mode == "interpret")
+
+        args = (x, p["input_norm"], *stacked, *biases, cos, sin, layer)
+        if mesh.empty:
+            out = local(*args)
+        else:
+            P = jax.sharding.PartitionSpec
+            in_specs = (spec(("batch", "length", "act_embed"), x), P(),
+                        *(spec(LAYER_PARAMS[k][0], w) for k, w in zip(names, stacked)),
+                        *(spec(LAYER_PARAMS[k][0][1:], w) for k, w in zip(("q_bias", "k_bias", "v_bias"), biases)),
+                        spec(rows, cos), spec(rows, sin), P())
+            out_specs = tuple(logical_to_spec(a, (x.shape[0], h, c.head_dim), shape)
+                              for a, h in zip(out_axes, (c.num_heads, c.num_kv_heads, c.num_kv_heads)))
+            out = jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)(*args)
+        return tuple(o[:, None] for o in out)
+
+    def _spread_mlp(self, x: jax.Array, p: dict[str, jax.Array], layer: jax.Array | None) -> jax.Array:
+        """The MLP block of a decode step whose rows meet spread weights (`spread_mlp`), by
+        `fused_mlp` where `decode_kernel` picks it: on the stacked weights, read in place, where p
+        is layer `layer` of them."""
+        c = self.config
+        m = c.intermediate_size // shards("mlp", c.intermediate_size)
+        item = jnp.dtype(self.dtype).itemsize
+        applies = "gate_kernel" in p and spread_mlp.fits(x.shape[0], c.hidden_size, m, item)
+        mode = _kernel_choice("decode_kernel", self.decode_kernel, applies, applies and cache_attention.on_tpu(),
+                              f"untransposed weights and {x.shape[0]} rows by {m} intermediate columns in "
+                              f"{spread_mlp.VMEM_BUDGET} bytes of VMEM")
+        names = [k for k in p if k.removesuffix("_t") in MLP_KERNELS]
+        axes = {k: LAYER_PARAMS[k.removesuffix("_t")][0][1:][::-1 if k.endswith("_t") else 1] for k in names}
+        weights = {k: p[k] for k in names}
+        if mode is None:
+            mlp = lambda x, r, w, weights, _: _mlp(spread_mlp.normed(x, r, w), weights)
+        else:
+            if layer is not None and all(self.layers[k].dtype == jnp.dtype(self.dtype) for k in names):
+                weights = {k: self.layers[k][...] for k in names}  # the stacks, not p's slices
+                axes = {k: LAYER_PARAMS[k][0] for k in names}
+            else:
+                layer = None
+            mlp = lambda x, r, w, weights, i: spread_mlp.fused_mlp(
+                x, r, w, weights["gate_kernel"], weights["up_kernel"], weights["down_kernel"],
+                i if layer is not None else None, interpret=mode == "interpret")
+        return spread_mlp.spread_mlp(x, p["post_norm"], weights, axes, lambda x: rms_scale(x, c.rms_norm_eps),
+                                     mlp, jnp.int32(0) if layer is None else layer)
 
     def _finish(self, x, cache: KVCache, k, v, t: int, num_new: jax.Array | None) -> tuple[jax.Array, KVCache]:
         x = rms_norm(x, self.final_norm[...], self.config.rms_norm_eps)

@@ -20,6 +20,7 @@ import numpy as np
 from flax import nnx
 
 from sem_jax import hosts
+from sem_jax.model import head_kernel
 from sem_jax.model.qwen2 import HEAD_LOGITS_AXES, KVCache, Qwen2, cache_axes, per_layer_default
 from sem_jax.sharding import constrain, logical_to_spec, put, shard_params, shards
 from sem_jax.sampling.stop import StopAutomaton
@@ -156,20 +157,40 @@ def _sum_argmax(a, b):
     return s1 + s2, jnp.where(first, v1, v2), jnp.where(first, i1, i2)
 
 
-def sample_spread(logits: jax.Array, key: jax.Array, cfg: SamplingConfig) -> tuple[jax.Array, jax.Array]:
+def _local_candidates(x: jax.Array, key: jax.Array, offset: jax.Array, scale: float, greedy: bool):
+    """One device's candidate from its share [B, v] of the logits (token ids offset..): (max,
+    sum of exp below it, best score, its id, its logit), all scaled, each [B]. The normaliser and
+    the Gumbel-max candidate in one reduction: one pass over the logits."""
+    m = jnp.max(x, -1) * scale
+    score = x * scale
+    if not greedy:
+        score = score + jax.random.gumbel(key, x.shape)
+    ids = jax.lax.broadcasted_iota(jnp.int32, x.shape, 1)
+    sums, best, j = jax.lax.reduce((jnp.exp(x * scale - m[:, None]), score, ids),
+                                   (jnp.float32(0), jnp.float32(-jnp.inf), jnp.int32(0)), _sum_argmax, (1,))
+    return m, sums, best, j + offset, jnp.take_along_axis(x, j[:, None], -1)[:, 0] * scale
+
+
+def sample_spread(logits: jax.Array | None, key: jax.Array, cfg: SamplingConfig,
+                  head: tuple[jax.Array, jax.Array, str] | None = None) -> tuple[jax.Array, jax.Array]:
     """`sample_tokens` for logits [B, V] in the LM head's spread layout (`HEAD_LOGITS_AXES`: the
     vocabulary split over every device), where they lie, for a `cfg` that samples from the whole
     vocabulary. Each device draws its share's candidate by the Gumbel-max trick (the argmax of the
-    scaled logits plus Gumbel noise of its own, in one pass over its logits with the softmax's
-    normaliser), and the devices compare their candidates, three numbers per row. No logit leaves
-    its device or is copied into another layout (handing the 7B's logits to the rows' groups and
-    chunking them for `_inverse_cdf` moved 140 MB more per decode step on a v4). Greedy: the first maximum, as `sample_tokens`; sampled: a draw from the same
-    distribution as `sample_tokens`, not the same draw (which depends on the mesh)."""
+    scaled logits plus Gumbel noise of its own) with the softmax's normaliser, and the devices
+    compare their candidates, three numbers per row. No logit leaves its device or is copied into
+    another layout (handing the 7B's logits to the rows' groups and chunking them for
+    `_inverse_cdf` moved 140 MB more per decode step on a v4). Greedy: the first maximum, as
+    `sample_tokens`; sampled: a draw from the same distribution as `sample_tokens`, not the same
+    draw.
+
+    `head` = (hidden [B, E], the head's weight [E, V], kernel mode): no logits; each device's
+    candidate comes from `head_kernel.head_candidates` on its slice of the weight (its noise a
+    function of the key, row and token id alone)."""
     if not cfg.whole_vocabulary:
         raise ValueError("sample_spread samples from the whole vocabulary: no top_k or top_p")
     mesh = jax.sharding.get_abstract_mesh()
-    spec = jax.sharding.PartitionSpec() if mesh.empty else logical_to_spec(HEAD_LOGITS_AXES, logits.shape,
-                                                                          dict(mesh.shape))
+    shape = (head[0].shape[0], head[1].shape[1]) if head is not None else logits.shape
+    spec = jax.sharding.PartitionSpec() if mesh.empty else logical_to_spec(HEAD_LOGITS_AXES, shape, dict(mesh.shape))
     names = lambda a: () if a is None else (a,) if isinstance(a, str) else tuple(a)
     rows, vocab = (names(a) for a in (*spec, None, None)[:2])
     scale = 1.0 if cfg.greedy else 1.0 / cfg.temperature
@@ -180,18 +201,10 @@ def sample_spread(logits: jax.Array, key: jax.Array, cfg: SamplingConfig) -> tup
             i = i * jax.lax.axis_size(a) + jax.lax.axis_index(a)
         return i
 
-    def local(x, key):
-        top = (jax.lax.pmax(jnp.max(x, -1), vocab) if vocab else jnp.max(x, -1)) * scale
-        score = x * scale
-        if not cfg.greedy:
-            score = score + jax.random.gumbel(jax.random.fold_in(key, index(rows + vocab)), x.shape)
-        # The softmax's normaliser and the candidate in one reduction: one pass over the logits.
-        ids = jax.lax.broadcasted_iota(jnp.int32, x.shape, 1)
-        sums, best, j = jax.lax.reduce((jnp.exp(x * scale - top[:, None]), score, ids),
-                                       (jnp.float32(0), jnp.float32(-jnp.inf), jnp.int32(0)), _sum_argmax, (1,))
-        total = jax.lax.psum(sums, vocab) if vocab else sums
-        tok = j + index(vocab) * x.shape[-1]
-        picked = jnp.take_along_axis(x, j[:, None], -1)[:, 0] * scale
+    def combine(m, sums, best, tok, picked):
+        top = jax.lax.pmax(m, vocab) if vocab else m
+        total = sums * jnp.exp(m - top)
+        total = jax.lax.psum(total, vocab) if vocab else total
         if vocab:  # the best candidate over the devices, the lowest id on a tie (the first maximum)
             best, tok, picked = (jax.lax.all_gather(c, vocab) for c in (best, tok, picked))
             first = jnp.min(jnp.where(best == jnp.max(best, 0), tok, jnp.iinfo(jnp.int32).max), 0)
@@ -199,11 +212,30 @@ def sample_spread(logits: jax.Array, key: jax.Array, cfg: SamplingConfig) -> tup
             tok, picked = (jnp.take_along_axis(c, d, 0)[0] for c in (tok, picked))
         return tok, picked - top - jnp.log(total)
 
+    def local(x, key):
+        offset = index(vocab) * x.shape[-1]
+        return combine(*_local_candidates(x, jax.random.fold_in(key, index(rows + vocab)), offset, scale, cfg.greedy))
+
+    P = jax.sharding.PartitionSpec
+    out = P(spec[0] if spec else None)
+    if head is None:
+        if mesh.empty:
+            return local(logits, key)
+        return jax.shard_map(local, mesh=mesh, in_specs=(spec, P()), out_specs=(out, out), check_vma=False)(logits, key)
+    hidden, weight, mode = head
+    total_vocab = weight.shape[1]
+
+    def local_head(h, w, key):
+        seed = jax.random.key_data(key).reshape(-1)[:2]
+        return combine(*head_kernel.head_candidates(h, w, seed, index(vocab) * w.shape[1], scale=scale,
+                                                    greedy=cfg.greedy, vocab=total_vocab, interpret=mode == "interpret"))
+
     if mesh.empty:
-        return local(logits, key)
-    out = jax.sharding.PartitionSpec(spec[0] if spec else None)
-    return jax.shard_map(local, mesh=mesh, in_specs=(spec, jax.sharding.PartitionSpec()), out_specs=(out, out),
-                         check_vma=False)(logits, key)
+        return local_head(hidden, weight, key)
+    h_spec = P(spec[0] if spec else None)
+    w_spec = logical_to_spec(("embed", "head_vocab"), weight.shape, dict(mesh.shape))
+    return jax.shard_map(local_head, mesh=mesh, in_specs=(h_spec, w_spec, P()), out_specs=(out, out),
+                         check_vma=False)(hidden, weight, key)
 
 
 def _inverse_cdf(probs: jax.Array, key: jax.Array, width: int | None = None) -> jax.Array:
@@ -277,8 +309,12 @@ def decode_step(model: Qwen2, layers, s: SamplerState, stop_table, eos_ids, *, c
     key, sub = jax.random.split(s.key)
     active = s.active
     spread = cfg.whole_vocabulary and model.spreads_head(rows.shape[0])
-    tok, logprob = (sample_spread if spread else sample_tokens)(
-        model.logits(s.hidden, keep_head_layout=spread), sub, cfg)
+    mode = model.head_kernel_mode(rows.shape[0]) if spread else None
+    if mode:
+        tok, logprob = sample_spread(None, sub, cfg, head=(s.hidden, model.lm_head_weight(), mode))
+    else:
+        tok, logprob = (sample_spread if spread else sample_tokens)(
+            model.logits(s.hidden, keep_head_layout=spread), sub, cfg)
     at = jnp.where(active, s.resp_len, s.resp.shape[1])  # inactive rows write nowhere
     resp = s.resp.at[rows, at].set(tok, mode="drop")
     resp_logprob = s.resp_logprob.at[rows, at].set(logprob, mode="drop")
