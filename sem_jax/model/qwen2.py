@@ -164,12 +164,12 @@ def _kernel_choice(name: str, mode: str, applies: bool, auto: bool, needs: str) 
 MLP_KERNELS = ("gate_kernel", "up_kernel", "down_kernel")
 
 
-def _mlp(h: jax.Array, p: dict[str, jax.Array], constrained: bool = False) -> jax.Array:
-    """Qwen2's gated MLP on rows h [N, E] with a layer's weights p; `constrained`: its activations
-    laid out by their logical axes (not inside a `shard_map`)."""
+def _mlp(h: jax.Array, p: dict[str, jax.Array], rows: tuple[int, int] | None = None) -> jax.Array:
+    """Qwen2's gated MLP on rows h [N, E] with a layer's weights p; `rows` = (B, T), N = B * T:
+    its activations laid out by their logical axes (not inside a `shard_map`)."""
     act = jax.nn.silu(_dense(h, p, "gate_kernel")) * _dense(h, p, "up_kernel")
-    if constrained:
-        act = constrain(act, ("batch", "act_mlp"))
+    if rows is not None:
+        act = constrain(act.reshape(*rows, -1), ("batch", "length", "act_mlp")).reshape(h.shape[0], -1)
     return _dense(act, p, "down_kernel")
 
 
@@ -601,7 +601,7 @@ class Qwen2(nnx.Module):
         if t == 1 and _gathers_rows(b):
             return self._spread_mlp(x, p, layer), carry
         h = rms_norm(x, p["post_norm"], c.rms_norm_eps).reshape(b * t, e)
-        out = _mlp(h, p, constrained=True).reshape(b, t, e)
+        out = _mlp(h, p, rows=(b, t)).reshape(b, t, e)
         return constrain(x + out, ("batch", "length", "act_embed")), carry
 
     def _qkv_kernel(self, b: int, p: dict[str, jax.Array], layer: jax.Array | None) -> str | None:
