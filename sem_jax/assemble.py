@@ -24,6 +24,7 @@ from ml_collections import ConfigDict
 from sem_jax.data.example import Example
 from sem_jax.data.mix import process_share
 from sem_jax.data.questions import load_questions
+from sem_jax.errors import Refused
 from sem_jax.hosts import CallLog, batch_shards, local_batch_multiple
 from sem_jax.model import Qwen2, Qwen2Config, from_pretrained
 from sem_jax.model.tokenizer import load_tokenizer, train_bpe_tokenizer
@@ -170,10 +171,11 @@ def init_model_config(config: ConfigDict, tokenizer) -> Qwen2Config:
 
 
 def build_policy(config: ConfigDict, texts: Callable[[], list[str]] | None, run_dir: str,
-                 mesh: Mesh | None = None) -> tuple[Qwen2, Any]:
+                 mesh: Mesh | None = None, resuming: bool = False) -> tuple[Qwen2, Any]:
     """The policy and its tokenizer: a local HF directory (weights streamed straight into their
     shardings on `mesh`), or (no path) a random tiny model with a small BPE trained on
-    `texts()` (saved to run_dir/tokenizer, reused on resume)."""
+    `texts()` (saved to run_dir/tokenizer, reused on resume; `resuming` without it is refused:
+    a BPE trained again need not give the checkpoint's token ids)."""
     m = config.model
     dtype, compute = jnp.dtype(m.dtype), jnp.dtype(m.compute_dtype)
     if m.path:
@@ -187,6 +189,10 @@ def build_policy(config: ConfigDict, texts: Callable[[], list[str]] | None, run_
     else:
         if texts is None:
             raise FileNotFoundError(f"{tok_dir}: no tokenizer.json (was this run trained with model.path unset?)")
+        if resuming:
+            raise Refused(f"{tok_dir}: no tokenizer.json, but {run_dir}/ckpt holds checkpoints of a random-init "
+                          "model whose tokenizer was trained with the run; one trained again need not give the "
+                          "same token ids. Put the run's tokenizer back there, or train in a new run_dir")
         tokenizer = train_bpe_tokenizer(texts(), m.init.tokenizer_vocab)
         if jax.process_index() == 0:
             tokenizer.save_pretrained(tok_dir)
@@ -278,8 +284,9 @@ class Run:
     pad_id: int
 
 
-def build_run(config: ConfigDict) -> Run:
-    """The mesh, data, retriever, policy, samplers and trainer of a training run."""
+def build_run(config: ConfigDict, resuming: bool = False) -> Run:
+    """The mesh, data, retriever, policy, samplers and trainer of a training run (`resuming`: its
+    run_dir holds checkpoints, so nothing they depend on is built anew)."""
     pid, nproc = jax.process_index(), jax.process_count()
     # Each process rolls out its own share of every step's questions (hosts.py).
     if config.data.prompts_per_step % nproc:
@@ -296,7 +303,7 @@ def build_run(config: ConfigDict) -> Run:
     texts = lambda: [s.system_prompt] + [e.question + " " + " ".join(e.answers)
                                               for e in train_set + eval_all[:config.data.eval_questions]] + \
         [f"{d['title']} {d['text']}" for d in retriever.passages()]
-    model, tokenizer = build_policy(config, texts, run_dir, mesh)
+    model, tokenizer = build_policy(config, texts, run_dir, mesh, resuming=resuming)
     check_positions(config, s, model.config)
     s = s.with_eos(tokenizer)
     cap = lambda xs, where: cap_prompts(xs, s.protocol, s.system_prompt, tokenizer, config.data.max_prompt_tokens,

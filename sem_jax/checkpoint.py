@@ -16,7 +16,30 @@ from typing import Any
 import jax
 import orbax.checkpoint as ocp
 
+from sem_jax.errors import Refused
+
 log = logging.getLogger(__name__)
+
+
+class CheckpointMismatch(Refused):
+    """A checkpoint written by another model or optimizer config (a tensor missing, extra or of
+    another shape): nothing is restored or moved."""
+
+
+def _shapes(tree: Any) -> dict[str, tuple[int, ...]]:
+    """Each leaf's shape by its dotted path ("embed.value", "1.0.mu.embed.value")."""
+    def name(k):
+        for attr in ("key", "idx", "name"):
+            if hasattr(k, attr):
+                return str(getattr(k, attr))
+        return str(k)
+    return {".".join(name(k) for k in path): tuple(getattr(x, "shape", ()))
+            for path, x in jax.tree_util.tree_leaves_with_path(tree)}
+
+
+def checkpoint_run_dir(checkpoint: str) -> str:
+    """The run directory that holds `checkpoint` (run_dir/ckpt)."""
+    return os.path.dirname(os.path.abspath(checkpoint.rstrip("/")))
 
 
 def abstract_like(tree: Any) -> Any:
@@ -30,8 +53,11 @@ class Checkpointer:
         self.directory = os.path.abspath(directory)
         if read_only and not os.path.isdir(self.directory):
             raise FileNotFoundError(f"{self.directory}: no checkpoint directory there (a run's is run_dir/ckpt)")
+        # Handlers named up front: the stored shapes can then be read before a restore (`mismatch`).
         self.manager = ocp.CheckpointManager(
-            self.directory, item_names=("params", "opt_state", "meta"),
+            self.directory, item_handlers={"params": ocp.StandardCheckpointHandler(),
+                                           "opt_state": ocp.StandardCheckpointHandler(),
+                                           "meta": ocp.JsonCheckpointHandler()},
             options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=not read_only,
                                                  enable_async_checkpointing=async_save))
 
@@ -49,9 +75,12 @@ class Checkpointer:
             raise OSError(errno.ENOSPC, f"{self.directory}: {free / 2**30:.2f} GiB free, a checkpoint needs about "
                           f"{need / 2**30:.2f} GiB; not saving step {step} (the last checkpoint, step "
                           f"{self.latest_step()}, is kept)")
-        self.manager.save(step, args=ocp.args.Composite(
-            params=ocp.args.StandardSave(params), opt_state=ocp.args.StandardSave(opt_state),
-            meta=ocp.args.JsonSave(meta)))
+        try:  # orbax first waits for the save before, and raises its failure here
+            self.manager.save(step, args=ocp.args.Composite(
+                params=ocp.args.StandardSave(params), opt_state=ocp.args.StandardSave(opt_state),
+                meta=ocp.args.JsonSave(meta)))
+        except Exception as e:  # noqa: BLE001 - whatever the writer hit (OSError, TensorStore's ValueError)
+            raise self._save_failed(e) from e
 
     def restore(self, step: int, params_like: Any, opt_like: Any) -> tuple[Any, Any, dict]:
         r = self.manager.restore(step, args=ocp.args.Composite(
@@ -59,14 +88,46 @@ class Checkpointer:
             opt_state=ocp.args.StandardRestore(abstract_like(opt_like)), meta=ocp.args.JsonRestore()))
         return r.params, r.opt_state, dict(r.meta)
 
+    def mismatch(self, step: int, **items: Any) -> str | None:
+        """How `step`'s stored tensors differ from `items` (params=..., opt_state=...) by shape,
+        naming the first tensor that differs, is missing or is extra; None when all match. Reads
+        the checkpoint's metadata only (raises when that is damaged)."""
+        stored_items = self.manager.item_metadata(step)
+        for item, like in items.items():
+            stored, want = _shapes(stored_items[item]) if stored_items[item] is not None else {}, _shapes(like)
+            if not stored:
+                raise FileNotFoundError(f"{self.directory}/{step}/{item}: no tensor metadata readable there")
+            for name, shape in want.items():
+                if name not in stored:
+                    return f"{item}.{name} {shape} is not in the checkpoint"
+                if stored[name] != shape:
+                    return f"{item}.{name} is {stored[name]} in the checkpoint, {shape} in this config"
+            extra = sorted(stored.keys() - want.keys())
+            if extra:
+                return f"the checkpoint holds {len(extra)} {item} tensors this config has not, first {item}.{extra[0]}"
+        return None
+
+    def _refuse_mismatch(self, step: int, differs: str) -> CheckpointMismatch:
+        return CheckpointMismatch(
+            f"{self.directory}: step {step} was written by another model or optimizer config: {differs}. Nothing "
+            "was restored or changed; use the config it was trained with (run_dir/config.json), or a new run_dir")
+
     def restore_newest(self, params_like: Any, opt_like: Any) -> tuple[int, Any, Any, dict] | None:
         """(step, params, opt_state, meta) of the newest checkpoint that restores, or None when
-        there is none. Newer ones that fail to restore (a truncated or missing file) are moved
-        aside to `N.unreadable`, kept for inspection, and said so. When none restores (more
-        likely a config that no longer matches them than damage to all), nothing is moved and
-        the newest one's error is raised."""
+        there is none. A checkpoint whose tensors differ from the config's by shape is refused
+        (`CheckpointMismatch`): the config changed, not the files. Newer ones that fail to
+        restore (a truncated, missing or corrupted file) are moved aside to `N.unreadable`, kept
+        for inspection, and said so. When none restores, nothing is moved and the newest one's
+        error is raised."""
         failed: list[tuple[int, Exception]] = []
         for step in sorted(self.manager.all_steps(), reverse=True):
+            try:
+                differs = self.mismatch(step, params=params_like, opt_state=opt_like)
+            except Exception as e:  # noqa: BLE001 - damaged metadata
+                failed.append((step, e))
+                continue
+            if differs:
+                raise self._refuse_mismatch(step, differs)
             try:
                 restored = (step, *self.restore(step, params_like, opt_like))
             except Exception as e:  # noqa: BLE001 - whatever a damaged step raises (TensorStore, OSError, KeyError)
@@ -77,9 +138,9 @@ class Checkpointer:
             return restored
         if failed:
             step, error = failed[0]
-            raise RuntimeError(f"{self.directory}: no checkpoint restores (steps {[s for s, _ in failed]}); step "
-                               f"{step}: {type(error).__name__}: {str(error)[:300]}. If the model or optimizer "
-                               "config changed since they were written, train in a new run_dir") from error
+            raise RuntimeError(f"{self.directory}: no checkpoint restores (steps {[s for s, _ in failed]}), though "
+                               f"their tensors' shapes match this config: their files are damaged; step {step}: "
+                               f"{type(error).__name__}: {str(error)[:300]}") from error
         return None
 
     def _set_aside(self, step: int, error: Exception) -> None:
@@ -102,6 +163,9 @@ class Checkpointer:
         step = self.latest_step() if step is None else step
         if step is None:
             raise FileNotFoundError(f"{self.directory}: no checkpoint")
+        differs = self.mismatch(step, params=params_like)
+        if differs:
+            raise self._refuse_mismatch(step, differs)
         r = self.manager.restore(step, args=ocp.args.Composite(
             params=ocp.args.StandardRestore(abstract_like(params_like))))
         return r.params, step

@@ -25,11 +25,13 @@ from absl import logging as absl_logging
 from flax import nnx
 from ml_collections import ConfigDict, config_flags
 
+from sem_jax.checkpoint import checkpoint_run_dir
 from sem_jax.config import eval_dtype, parse_flags
 from sem_jax.data.example import Example
 from sem_jax.data.mix import stratified_sample
 from sem_jax.distributed import initialize as initialize_distributed
-from sem_jax.eval_lib import aggregate, all_records, run_mode
+from sem_jax.errors import exit_on_error
+from sem_jax.eval_lib import MODES, aggregate, all_records, run_mode
 from sem_jax.protocol import SEM, Protocol
 from sem_jax.sampling import RolloutConfig
 
@@ -128,11 +130,6 @@ FLAGS = flags.FLAGS
 EVAL_SPLITS = {"mmlu": "test", "gsm8k": "test"}  # the others: validation (MuSiQue and HotpotQA dev)
 
 
-def checkpoint_run_dir(checkpoint: str) -> str:
-    """The run directory that holds `checkpoint` (run_dir/ckpt)."""
-    return os.path.dirname(os.path.abspath(checkpoint.rstrip("/")))
-
-
 def load_policy(config, checkpoint: str | None, step: int | None, hf: str | None, mesh=None):
     """(model, tokenizer) from a HF directory or from a sem_jax checkpoint (params only), its
     parameters in `model.eval_dtype` (default `model.dtype`) and, with `mesh`, sharded as in
@@ -177,12 +174,49 @@ def run_config(checkpoint: str):
         return ConfigDict(merge(base_config().to_dict(), json.load(fh)))
 
 
+def parse_modes(text: str) -> list[str]:
+    """--modes: known modes, at least one, each once; refused before anything runs."""
+    modes = [m.strip() for m in text.split(",") if m.strip()]
+    if not modes:
+        raise app.UsageError(f"--modes={text!r}: no mode given; choose from {', '.join(MODES)}")
+    unknown = [m for m in modes if m not in MODES]
+    if unknown:
+        raise app.UsageError(f"--modes: unknown {', '.join(map(repr, unknown))}; choose from {', '.join(MODES)}")
+    if len(set(modes)) < len(modes):
+        raise app.UsageError(f"--modes={text!r}: a mode given twice")
+    return modes
+
+
+def parse_data(text: str) -> dict[str, str]:
+    """--data name=path[,name=path...]: each name once (two paths for one name would overwrite
+    each other's results), each with a path."""
+    data: dict[str, str] = {}
+    for item in text.split(","):
+        name, eq, path = (x.strip() for x in item.partition("="))
+        if not (name and eq and path):
+            raise app.UsageError(f"--data: {item!r} is not name=path")
+        if name in data:
+            raise app.UsageError(f"--data: {name!r} given twice ({data[name]!r} and {path!r}); one path per data set")
+        data[name] = path
+    return data
+
+
+def output_dir(out: str | None, checkpoint: str | None, config) -> str:
+    """--out, else `eval` beside the checkpoint (run_dir/ckpt -> run_dir/eval: a copied run writes
+    into the copy, not into the run_dir its config.json names), else the config's run_dir/eval."""
+    if out:
+        return out
+    return os.path.join(checkpoint_run_dir(checkpoint) if checkpoint else config.run_dir, "eval")
+
+
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     absl_logging.set_verbosity(absl_logging.WARNING)
     if FLAGS.limit is not None and FLAGS.limit < 1:
         raise app.UsageError(f"--limit={FLAGS.limit}: give at least 1 question per data set (or leave it out: all)")
+    modes = parse_modes(FLAGS.modes)
+    sources = parse_data(FLAGS.data) if FLAGS.data else None
     config = _CONFIG.value
     if config is None and FLAGS.checkpoint:
         config = run_config(FLAGS.checkpoint)
@@ -200,18 +234,16 @@ def main(argv):
     mesh = build_rollout_mesh(config, build_mesh(config))  # nothing trains: the weights load in the sampler's layout
     model, tokenizer = load_policy(config, FLAGS.checkpoint, FLAGS.step, FLAGS.hf, mesh)
     check_positions(config, s, model.config)
-    if FLAGS.data:  # every process reads every data set and draws the same sample
-        data = {}
-        for item in FLAGS.data.split(","):
-            name, _, path = item.partition("=")
-            # The split each data set is evaluated on (a local file is read whole).
-            data[name] = load_source(name, path, split=EVAL_SPLITS.get(name, "validation"))
+    if sources:  # every process reads every data set and draws the same sample
+        # The split each data set is evaluated on (a local file is read whole).
+        data = {name: load_source(name, path, split=EVAL_SPLITS.get(name, "validation"))
+                for name, path in sources.items()}
     else:
         data = {"eval": load_questions(config.data.eval_file)}
     s = s.with_eos(tokenizer)
     data = {name: cap_prompts(examples, s.protocol, s.system_prompt, tokenizer, config.data.max_prompt_tokens, name)
             for name, examples in data.items()}
-    out = FLAGS.out or os.path.join(config.run_dir, "eval")
+    out = output_dir(FLAGS.out, FLAGS.checkpoint, config)
     writer = jax.process_index() == 0
     if writer:
         os.makedirs(out, exist_ok=True)
@@ -219,7 +251,6 @@ def main(argv):
         data = {name: write_sample(out if writer else None, name, examples, FLAGS.limit, FLAGS.seed)
                 for name, examples in data.items()}
     sampler = build_sampler(model, tokenizer, s.greedy, config, s.protocol, mesh=mesh)
-    modes = [m.strip() for m in FLAGS.modes.split(",") if m.strip()]
     rows = config.data.prompts_per_step * config.rollout.group_size // jax.process_count()
     results = evaluate_modes(sampler, tokenizer, build_retriever(config), data, modes, s.rollout,
                              batch_size=max(rows, 1), out_dir=out if writer else None,
@@ -231,4 +262,4 @@ def main(argv):
 
 if __name__ == "__main__":
     define_flags()
-    app.run(main, flags_parser=parse_flags)
+    app.run(lambda argv: exit_on_error(lambda: main(argv)), flags_parser=parse_flags)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -23,7 +24,8 @@ from absl import logging as absl_logging
 from flax import nnx
 from ml_collections import ConfigDict
 
-from sem_jax.checkpoint import Checkpointer
+from sem_jax.checkpoint import Checkpointer, checkpoint_run_dir
+from sem_jax.errors import Refused, exit_on_error
 from sem_jax.assemble import init_model_config
 from sem_jax.model import Qwen2, save_pretrained
 from sem_jax.model.hf_io import read_config
@@ -44,7 +46,7 @@ FLAGS = flags.FLAGS
 
 
 def run_config(checkpoint: str) -> tuple[ConfigDict, str]:
-    run_dir = os.path.dirname(os.path.abspath(checkpoint.rstrip("/")))
+    run_dir = checkpoint_run_dir(checkpoint)
     path = os.path.join(run_dir, "config.json")
     if not os.path.exists(path):
         raise FileNotFoundError(f"{path}: not found; export reads the run's resolved config beside ckpt/")
@@ -52,9 +54,22 @@ def run_config(checkpoint: str) -> tuple[ConfigDict, str]:
         return ConfigDict(json.load(fh)), run_dir
 
 
-def check_out_dir(out: str, overwrite: bool) -> None:
-    """Refuse an `out` that is a file, or a non-empty directory unless `overwrite`: checked before
+def _within(path: str, parent: str) -> bool:
+    path, parent = os.path.realpath(path), os.path.realpath(parent)
+    return path == parent or path.startswith(parent.rstrip(os.sep) + os.sep)
+
+
+def check_out_dir(out: str, overwrite: bool, sources: Sequence[str] = ()) -> None:
+    """Refuse an `out` that is a file, or a non-empty directory unless `overwrite`, or (whatever
+    the flags) one that holds, is, or lies inside a `source` the job reads (the run directory of
+    the checkpoint, the model): replacing it would delete what is being exported. Checked before
     any work, so that a long job does not fail at its last step."""
+    for source in sources:
+        if _within(source, out) or _within(out, source):
+            how = "is" if _within(out, source) and _within(source, out) else \
+                "holds" if _within(source, out) else "lies inside"
+            raise Refused(f"--out={out}: {how} {source}, which this "
+                          "job reads; writing there would replace it. Choose an --out outside it")
     if os.path.isfile(out):
         raise FileExistsError(f"{out}: is a file, not a directory")
     if os.path.isdir(out) and os.listdir(out) and not overwrite:
@@ -94,7 +109,7 @@ def write_hf_dir(model: Qwen2, tokenizer, out: str, *, dtype: Any = None, max_sh
 def export(checkpoint: str, out: str, *, step: int | None = None, dtype: str = "bfloat16",
            max_shard_size: str = "5GB", overwrite: bool = False) -> int:
     """Write the HF directory; returns the exported step."""
-    check_out_dir(out, overwrite)
+    check_out_dir(out, overwrite, sources=[checkpoint_run_dir(checkpoint)])
     ckpt = Checkpointer(checkpoint, read_only=True)  # a mistyped path fails here, before the model is built
     config, run_dir = run_config(checkpoint)
     m = config.model
@@ -123,4 +138,4 @@ def main(argv):
 
 if __name__ == "__main__":
     define_flags()
-    app.run(main)
+    app.run(lambda argv: exit_on_error(lambda: main(argv)))

@@ -180,7 +180,7 @@ def finetune(config: ConfigDict, out: str, *, overwrite: bool = False, dtype: st
     if not config.model.path:
         raise ValueError("sem_jax.sft warm-starts a pretrained model: set --config.model.path (the demo's "
                          "random-init model has its own warm start, `make demo`)")
-    check_out_dir(out, overwrite)
+    check_out_dir(out, overwrite, sources=[config.model.path])
     t_start = time.perf_counter()
     mesh = build_mesh(config)
     model, tokenizer = build_policy(config, None, config.run_dir, mesh)

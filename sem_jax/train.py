@@ -35,6 +35,7 @@ from sem_jax.config import one_line_config_errors, parse_flags
 from sem_jax.data.example import Example
 from sem_jax.distributed import initialize as initialize_distributed
 from sem_jax.distributed import started as distributed_started
+from sem_jax.errors import exit_on_error
 from sem_jax.eval_lib import RECORD_KEYS, aggregate, policy_scores, score_trajectory, top_reasons
 from sem_jax.hosts import agree_max, check_shared_dir, gather_json, to_global
 from sem_jax.metrics import MetricWriter
@@ -286,12 +287,14 @@ def train(config: ConfigDict) -> dict[str, float]:
 
 
 def _train(config: ConfigDict, run_dir: str) -> dict[str, float]:
+    ckpt = Checkpointer(os.path.join(run_dir, "ckpt"), keep=config.train.keep_checkpoints)
+    run = build_run(config, resuming=ckpt.latest_step() is not None)
+    state = initial_state(run, ckpt)
+    # Only once the checkpoint (if any) restored under this config: a refused resume leaves the
+    # run's config.json as it was, so evaluate and export still read the config it trained with.
     if jax.process_index() == 0:
         with open(os.path.join(run_dir, "config.json"), "w") as fh:
             fh.write(config.to_json_best_effort(indent=2))
-    run = build_run(config)
-    ckpt = Checkpointer(os.path.join(run_dir, "ckpt"), keep=config.train.keep_checkpoints)
-    state = initial_state(run, ckpt)
     writer = MetricWriter(run_dir, resumed_step=state.step)
     t = config.train
     total, start = t.total_steps, state.step
@@ -358,7 +361,7 @@ def cli(argv: list[str], config: ConfigDict, prepare: Callable[[ConfigDict], Con
     # Orbax logs every file operation at INFO through absl; keep the console readable.
     absl_logging.set_verbosity(absl_logging.WARNING)
     initialize_distributed(config.distributed)  # first: before anything starts a backend
-    train(prepare(config) if prepare else config)
+    exit_on_error(lambda: train(prepare(config) if prepare else config))
 
 
 def main(argv: list[str]) -> None:

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from sem_jax.checkpoint import Checkpointer
+from sem_jax.checkpoint import CheckpointMismatch, Checkpointer
 from subprocs import cpu_env
 
 
@@ -44,7 +44,7 @@ def test_killed_during_a_save_keeps_the_previous_step(tmp_path):
         import os, sys, threading, time
         sys.path.insert(0, {os.getcwd()!r})
         import jax.numpy as jnp
-        from sem_jax.checkpoint import Checkpointer
+        from sem_jax.checkpoint import CheckpointMismatch, Checkpointer
         ckpt = Checkpointer({str(tmp_path / 'ckpt')!r})
         ckpt.save(1, {{"w": jnp.ones((8, 8))}}, {{"mu": jnp.zeros(3)}}, {{"step": 1}})
         ckpt.wait()
@@ -134,6 +134,35 @@ def test_when_no_step_restores_nothing_is_moved(tmp_path):
         ckpt.save(step, _tree(step), {"mu": _tree(10 + step)}, {"step": step})
     ckpt.close()
     other = {"w": jnp.zeros((3, 3)), "b": jnp.zeros(5)}  # a model config that changed since
-    with pytest.raises(RuntimeError, match=r"no checkpoint restores \(steps \[2, 1\]\).*new run_dir"):
+    with pytest.raises(CheckpointMismatch, match=r"step 2 was written by another model or optimizer config: "
+                                                 r"params\.w is \(64, 32\) in the checkpoint, \(3, 3\) in this config\. "
+                                                 r"Nothing was restored or changed"):
         Checkpointer(str(tmp_path / "ckpt")).restore_newest(other, {"mu": other})
     assert sorted(os.listdir(tmp_path / "ckpt")) == ["1", "2"]
+
+
+def test_a_bit_flipped_only_checkpoint_is_called_damaged_not_a_changed_config(tmp_path):
+    ckpt = Checkpointer(str(tmp_path / "ckpt"), async_save=False)
+    ckpt.save(1, _tree(1), {"mu": _tree(11)}, {"step": 1})
+    ckpt.close()
+    for f in (p for p in (tmp_path / "ckpt" / "1" / "params").rglob("*") if p.is_file() and p.stat().st_size > 64):
+        data = bytearray(f.read_bytes())
+        for i in range(len(data) // 3, len(data) // 3 + 32):  # a run of flipped bits mid-file
+            data[i] ^= 0xFF
+        f.write_bytes(bytes(data))
+    with pytest.raises(RuntimeError, match=r"no checkpoint restores \(steps \[1\]\), though their tensors' shapes "
+                                           r"match this config: their files are damaged") as e:
+        Checkpointer(str(tmp_path / "ckpt")).restore_newest(_tree(0), {"mu": _tree(0)})
+    assert "config changed" not in str(e.value) and "strict=False" not in str(e.value)
+    assert sorted(os.listdir(tmp_path / "ckpt")) == ["1"]  # nothing moved when none restores
+
+
+def test_evaluate_and_export_name_the_tensor_of_another_config(tmp_path):
+    ckpt = Checkpointer(str(tmp_path / "ckpt"), async_save=False)
+    ckpt.save(1, _tree(1), {"mu": _tree(11)}, {"step": 1})
+    ckpt.close()
+    other = {"w": jnp.zeros((64, 32)), "b": jnp.zeros(5), "extra": jnp.zeros(2)}
+    with pytest.raises(CheckpointMismatch, match=r"params\.extra \(2,\) is not in the checkpoint"):
+        Checkpointer(str(tmp_path / "ckpt"), read_only=True).restore_params(None, other)
+    with pytest.raises(CheckpointMismatch, match=r"holds 1 params tensors this config has not, first params\.b"):
+        Checkpointer(str(tmp_path / "ckpt"), read_only=True).restore_params(None, {"w": jnp.zeros((64, 32))})
