@@ -202,13 +202,51 @@ def test_sampled_budget_apart_from_the_room_for_inserted_tokens(qwen25_tokenizer
     script, _ = _script(tok, prompt, [t1, block, enc("x" * 50)], 1)
     cfg = lambda cut: RolloutConfig(group_size=1, max_searches=2, top_k=3, max_tokens_per_passage=96,
                                     max_block_tokens=cut, max_note_tokens=64)
-    for room, cut in ((len(block), len(block)), (len(block), 10)):
+    for room, cut in ((len(block), len(block)), (len(block), len(block) - 4)):
         sampler = Sampler(ScriptedPolicy(script, len(tok)), build_stop_automaton(tok, SEM.stop_strings),
                           SamplingConfig(max_new_tokens=new, greedy=True, max_inserted_tokens=room))
         (t,), stats = rollout(sampler, tok, retriever, [prompt], jax.random.key(0), cfg(cut))
         assert t.end_reason == "length" and int(t.loss_mask.sum()) == new  # every sampled token it may have
-        assert t.response_ids[t.loss_mask == 0].tolist() == block[:cut]
+        inserted = t.response_ids[t.loss_mask == 0].tolist()
+        # Cut inside the passages, never through the tags: the block still closes.
+        want = block if cut == len(block) else SEM.block_ids("Paris", retriever.search(["Paris"], 3)[0], tok, 96,
+                                                             cut)[0]
+        assert inserted == want and len(inserted) <= cut and tok.decode(inserted).endswith("</result>\n")
         assert stats.cut_blocks == (cut < len(block))
+
+
+LONG_TITLES = ["2014–15 UEFA Champions League knockout phase", "List of Knight's Cross of the Iron Cross recipients (A)",
+               "1998 FIFA World Cup qualification (CONMEBOL)", "Timeline of the 2011–2012 Syrian uprising",
+               "Results of the 2016 United States presidential election in Texas"]
+
+
+@pytest.mark.parametrize("protocol", ["sem", "research"])
+def test_result_blocks_fit_their_budget_and_always_close(qwen25_tokenizer, protocol):
+    """At the paper's settings (top 5, 128 tokens a passage) five long titles over full passages
+    made a block one token over the budget, cut through `</result>`: the response then parsed
+    invalid. Titles are cut, and a block still over is cut inside its passages."""
+    from sem_jax.assemble import inserted_tokens
+    from sem_jax.config import base_config, paper_recipe
+    from sem_jax.protocol import get_protocol
+    tok, proto = qwen25_tokenizer, get_protocol(protocol)
+    block_budget, _ = inserted_tokens(paper_recipe(base_config()))
+    text = " ".join(["The knockout phase began on 17 February 2015 and ended with the final."] * 20)
+    hits = [Passage(str(i), title, text, 1.0) for i, title in enumerate(LONG_TITLES)]
+    ids, shortened = proto.block_ids("champions league", hits, tok, 128, block_budget)
+    assert len(ids) <= block_budget and not shortened  # sized from the cut parts: nothing cut beyond them
+    block = tok.decode(ids)
+    assert block.rstrip().endswith("</result>") and block.count("<result>") == 1
+    assert "2014–15 UEFA Champions League knockout" not in block  # the title was cut to chat.TITLE_TOKENS
+    for budget in (block_budget // 2, 60):  # tighter: passages cut shorter, then dropped; tags kept
+        small, shortened = proto.block_ids("champions league", hits, tok, 128, budget)
+        assert shortened and len(small) <= budget and tok.decode(small).rstrip().endswith("</result>")
+    if protocol == "sem":
+        response = (f"<think>Unsure.</think>\n<answer>Real Madrid</answer>\n<search>champions league</search>"
+                    f"{tok.decode(small)}<think>Found.</think>\n<answer>Barcelona</answer>")
+        parsed = proto.parse(response, True)
+        assert parsed.valid, parsed.reason
+    with pytest.raises(ValueError, match="cannot hold"):
+        proto.block_ids("champions league", hits, tok, 128, 5)
 
 
 def test_budget_counts_inserted_tokens(qwen25_tokenizer, retriever):

@@ -32,6 +32,27 @@ class Protocol:
         text = chat.chat_prompt(ex, self.system_prompt if system_prompt is None else system_prompt)
         return tokenizer.encode(text, add_special_tokens=False)
 
+    def block_ids(self, query: str, passages: Sequence[Passage], tokenizer, max_tokens_per_passage: int,
+                  max_block_tokens: int) -> tuple[list[int], bool]:
+        """The ids of the block inserted after a search, at most `max_block_tokens` and always
+        closed: a block built longer (long titles, text that tokenizes differently in place) has
+        its passages' texts cut shorter, then its last passages dropped, never its tags. Returns
+        (ids, whether it was shortened)."""
+        enc = lambda text: tokenizer.encode(text, add_special_tokens=False)
+        ids = enc(self.result_block(query, passages, tokenizer, max_tokens_per_passage))
+        budget, passages, shortened = max_tokens_per_passage, list(passages), False
+        while len(ids) > max_block_tokens:
+            shortened = True
+            if budget > 0:  # the excess spread over the passages, at least a token each round
+                budget = max(0, budget - max(1, -(-(len(ids) - max_block_tokens) // max(1, len(passages)))))
+            elif len(passages) > 1:
+                passages.pop()
+            else:
+                raise ValueError(f"max_block_tokens={max_block_tokens} cannot hold a {self.name} result block "
+                                 f"with one passage's title and no text ({len(ids)} tokens)")
+            ids = enc(self.result_block(query, passages, tokenizer, budget))
+        return ids, shortened
+
     def rag_prompt(self, ex, results: str) -> str:
         """Naive RAG: the question's retrieved passages in the prompt, the direct instructions."""
         return chat.rag_chat_prompt(ex, self.direct_system_prompt, results)

@@ -19,6 +19,16 @@ def chat_prompt(ex: Example, system_prompt: str) -> str:
             f"<|im_start|>user\n{question_text(ex)}<|im_end|>\n<|im_start|>assistant\n")
 
 
+# A passage's title is cut to this many tokens: with its marks ("(1) ", ": ", " ...", the line
+# break) it fits the per-passage room the buffers give beside the text's budget
+# (assemble.PASSAGE_EXTRA_TOKENS).
+TITLE_TOKENS = 8
+
+
+def cut_title(title: str, tokenizer) -> str:
+    return cut_to_tokens(title, tokenizer, TITLE_TOKENS)
+
+
 def cut_to_tokens(text: str, tokenizer, max_tokens: int) -> str:
     """`text` cut to `max_tokens` tokens (then marked " ..."), as a passage is before it is inserted."""
     ids = tokenizer.encode(text, add_special_tokens=False)

@@ -48,7 +48,7 @@ def format_results(passages: Sequence[Passage], tokenizer, max_tokens_per_passag
     parts = []
     for p in passages:
         text = chat.cut_to_tokens(p.text, tokenizer, max_tokens_per_passage)
-        parts.append(f'"{p.title}"\n{text}' if p.title else text)
+        parts.append(f'"{chat.cut_title(p.title, tokenizer)}"\n{text}' if p.title else text)
     return result_text("\n\n".join(parts) if parts else "No results found.")
 
 

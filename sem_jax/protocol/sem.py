@@ -62,11 +62,12 @@ def parse_query(text: str) -> str:
 
 
 def format_results(passages: Sequence[Passage], tokenizer, max_tokens_per_passage: int) -> str:
-    """`\\n<result>\\n(1) Title: text\\n...\\n</result>\\n`, each passage's text cut to a token budget."""
+    """`\\n<result>\\n(1) Title: text\\n...\\n</result>\\n`, each passage's text cut to a token budget
+    and its title to `chat.TITLE_TOKENS`."""
     lines = []
     for i, p in enumerate(passages, start=1):
         text = chat.cut_to_tokens(p.text, tokenizer, max_tokens_per_passage)
-        lines.append(f"({i}) {p.title}: {text}" if p.title else f"({i}) {text}")
+        lines.append(f"({i}) {chat.cut_title(p.title, tokenizer)}: {text}" if p.title else f"({i}) {text}")
     return result_text("\n".join(lines) if lines else NO_RESULTS)
 
 

@@ -27,7 +27,7 @@ class RolloutConfig:
     max_searches: int              # searches answered per trajectory; then the protocol's limit note once
     top_k: int                     # passages per search
     max_tokens_per_passage: int
-    max_block_tokens: int          # one search's inserted block at most (cut beyond: counted)
+    max_block_tokens: int          # one search's inserted block at most (passages cut to fit: counted)
     max_note_tokens: int           # the limit note at most
 
 
@@ -51,7 +51,7 @@ class RolloutStats:
     insert_s: float = 0.0
     pause_rounds: int = 0
     retriever_calls: int = 0
-    cut_blocks: int = 0            # result blocks longer than max_block_tokens (cut)
+    cut_blocks: int = 0            # result blocks whose passages were cut shorter to fit max_block_tokens
 
 
 def rollout(sampler: Sampler, tokenizer, retriever, prompts: Sequence[Sequence[int]], key: jax.Array,
@@ -107,10 +107,9 @@ def rollout(sampler: Sampler, tokenizer, retriever, prompts: Sequence[Sequence[i
             results = retriever.search(qs, cfg.top_k)  # once per pause round, for every row
             stats.retriever_calls += 1
             for row, q, res in zip(ask, qs, results):
-                text = protocol.result_block(q, res, tokenizer, cfg.max_tokens_per_passage)
-                ids = tokenizer.encode(text, add_special_tokens=False)
-                stats.cut_blocks += len(ids) > cfg.max_block_tokens
-                blocks[row] = ids[:cfg.max_block_tokens]
+                blocks[row], shortened = protocol.block_ids(q, res, tokenizer, cfg.max_tokens_per_passage,
+                                                            cfg.max_block_tokens)
+                stats.cut_blocks += shortened
                 searches[row] += 1
                 queries[row].append(q)
             stats.retrieval_s += time.perf_counter() - t0
