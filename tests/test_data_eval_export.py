@@ -108,6 +108,25 @@ def test_undecodable_and_malformed_lines_are_broken_rows_with_file_and_line(tmp_
         load_questions(str(utf16))
 
 
+def test_flags_duplicate_ids_and_multiple_choice_answers_are_checked_per_row(tmp_path, capsys):
+    from sem_jax.data.questions import load_questions
+    rows = [{"id": "a", "needs_search": "false"}, {"id": "b", "needs_search": "True"}, {"id": "c", "needs_search": 1},
+            {"id": "d", "needs_search": False}, {"id": "e", "needs_search": "no"}, {"id": "f", "needs_search": 2},
+            {"id": "a", "needs_search": True},  # the id of the first row again
+            {"id": "g", "kind": "mc", "options": ["red", "blue"], "answers": ["B"]},
+            {"id": "h", "kind": "mc", "options": ["red", "blue"], "answers": ["blue"]},
+            {"id": "i", "kind": "mc", "options": ["red", "blue"], "answers": ["C"]},
+            {"id": "j", "kind": "mc", "options": ["red", "blue"], "answers": ["green"]}]
+    path = tmp_path / "q.jsonl"
+    path.write_text("".join(json.dumps({"question": "Q?", "answers": ["x"], **r}) + "\n" for r in rows))
+    got = load_questions(str(path))
+    assert [(e.id, e.needs_search) for e in got] == [("a", False), ("b", True), ("c", True), ("d", False),
+                                                     ("g", False), ("h", False)]
+    line = capsys.readouterr().out
+    assert (f"{path}: 11 questions read, 6 used, 5 broken and skipped (2 x field 'needs_search' is not true or false, "
+            "2 x multiple-choice answer neither an option's letter nor its text, 1 x duplicate id)") in line
+
+
 def _examples(n, source, search):
     return [Example(f"{source}{i}", f"q{i}", ("a",), source, search) for i in range(n)]
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
+LETTERS = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"  # multiple-choice options' letters, in order
+
 
 @dataclasses.dataclass(frozen=True)
 class Example:
@@ -26,3 +28,9 @@ class Example:
             raise ValueError(f"example {self.id}: needs at least one non-empty answer")
         if self.kind == "mc" and not self.options:
             raise ValueError(f"example {self.id}: multiple choice needs options")
+        if self.kind == "mc":
+            letters = LETTERS[:len(self.options)]
+            wrong = [a for a in self.answers if a.strip() not in letters and a not in self.options]
+            if wrong:
+                raise ValueError(f"multiple-choice answer neither an option's letter nor its text (example "
+                                 f"{self.id}: {wrong[0]!r}; letters {letters[0]}-{letters[-1]})")

@@ -18,14 +18,39 @@ def example_from_row(row: dict, where: str) -> Example:
         if not isinstance(row.get(field), kind):
             raise ValueError(f"{where}: field {field!r} missing or of the wrong type")
     opts = row.get("options")
+    if opts is not None and not (isinstance(opts, list) and all(isinstance(o, str) for o in opts)):
+        raise ValueError(f"{where}: field 'options' must be a list of strings")
     return Example(id=str(row["id"]), question=row["question"], answers=tuple(row["answers"]),
-                   source=str(row.get("source", "unknown")), needs_search=bool(row.get("needs_search", False)),
+                   source=str(row.get("source", "unknown")), needs_search=flag(row.get("needs_search", False), where),
                    options=tuple(opts) if opts else None, kind=row.get("kind", "qa"),
                    category=str(row.get("category") or ""))
 
 
+FLAGS = {"true": True, "1": True, "false": False, "0": False}
+
+
+def flag(value, where: str, field: str = "needs_search") -> bool:
+    """A JSON boolean, 0/1, or the strings true/false/0/1 (any case); anything else is a broken
+    row (`bool("false")` is True)."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int) and value in (0, 1):
+        return bool(value)
+    if isinstance(value, str) and value.strip().lower() in FLAGS:
+        return FLAGS[value.strip().lower()]
+    raise ValueError(f"{where}: field {field!r} is not true or false ({value!r})")
+
+
 def load_questions(path: str) -> list[Example]:
     """Rows {id, question, answers, source, needs_search, kind, options?, category?}; broken rows are
-    counted, reported with the first example, and skipped; no usable row is an error."""
-    return parse_rows(jsonl_lines(path), lambda line, where: example_from_row(json.loads(line), where),
-                      source=path, what="question")
+    counted, reported with the first example, and skipped; no usable row is an error. An id seen
+    before is a broken row (evaluation records and samples are keyed by id)."""
+    first_at: dict[str, str] = {}
+
+    def parse(line: str, where: str) -> Example:
+        ex = example_from_row(json.loads(line), where)
+        if ex.id in first_at:
+            raise ValueError(f"{where}: duplicate id ({ex.id!r}, first at {first_at[ex.id]})")
+        first_at[ex.id] = where
+        return ex
+    return parse_rows(jsonl_lines(path), parse, source=path, what="question")

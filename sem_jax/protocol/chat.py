@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-from sem_jax.data.example import Example
+from sem_jax.data.example import LETTERS, Example
 
 
 def question_text(ex: Example) -> str:
     if ex.kind == "mc" and ex.options:
-        letters = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"
-        opts = "\n".join(f"{letters[i]}. {o}" for i, o in enumerate(ex.options))
+        opts = "\n".join(f"{LETTERS[i]}. {o}" for i, o in enumerate(ex.options))
         return f"{ex.question}\n{opts}\nAnswer with the option letter."
     return ex.question
 
