@@ -9,6 +9,7 @@ retriever, samplers, trainer), and `build_run` puts a training run's together.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -84,8 +85,47 @@ NOT_NEGATIVE = ("rollout.max_searches", "rollout.temperature", "rollout.window_s
                 "rl.beta", "rl.clip_eps", "sft.lr", "sft.width", "sft.micro_batch", "sft.grad_clip", "retrieval.threads")
 
 
+# Fields with both bounds: (low, high, "[" or "(" for a closed or open low end, "]" or ")" likewise),
+# and why where it is not plain.
+RANGES = {
+    "reward_params.tau": (0.0, 1.0, "(", "]", "F1 at or above it counts as correct: 0 takes every answer, "
+                                              "over 1 none"),
+    "optim.b1": (0.0, 1.0, "[", ")", "Adam's decay"),
+    "optim.b2": (0.0, 1.0, "[", ")", "Adam's decay"),
+    "optim.lr": (0.0, 1.0, "[", "]", ""),
+    "sft.lr": (0.0, 1.0, "[", "]", ""),
+    "optim.weight_decay": (0.0, 1.0, "[", "]", ""),
+    "sft.weight_decay": (0.0, 1.0, "[", "]", ""),
+    "rl.clip_eps": (0.0, 1.0, "[", "]", "a ratio's distance from 1"),
+    "rl.clip_eps_high": (0.0, 10.0, "[", "]", "a ratio's distance from 1"),
+    "rollout.top_p": (0.0, 1.0, "(", "]", ""),
+    "rollout.top_k": (0, 1 << 30, "[", "]", "0: all tokens"),
+    "rollout.group_size": (2, 1 << 30, "[", "]", "GRPO's advantages compare a question's trajectories: with "
+                                                 "one, every group ties and no step learns"),
+    "sft.search_share": (0.0, 1.0, "[", "]", ""),
+    "train.min_start_valid": (0.0, 1.0, "[", "]", ""),
+    "rl.adv_eps": (0.0, 1.0, "(", "]", ""),
+    "optim.eps": (0.0, 1.0, "(", "]", ""),
+}
+
+
+def _numbers(config: ConfigDict, prefix: str = "") -> list[tuple[str, float]]:
+    out = []
+    for k, v in config.items():
+        if isinstance(v, ConfigDict):
+            out += _numbers(v, f"{prefix}{k}.")
+        elif isinstance(v, (int, float)) and not isinstance(v, bool):
+            out.append((f"{prefix}{k}", v))
+    return out
+
+
 def check_fields(config: ConfigDict) -> None:
-    """Refuse a count or size that is not positive, or a rate that is negative, naming the field."""
+    """Refuse, naming the field: a number that is not finite, a count or size that is not
+    positive, a rate that is negative, a value outside its range (`RANGES`)."""
+    for name, value in _numbers(config):
+        if not math.isfinite(value):
+            raise ValueError(f"config.{name}={value!r}: must be a finite number")
+
     def get(name):
         value = config
         for part in name.split("."):
@@ -95,6 +135,15 @@ def check_fields(config: ConfigDict) -> None:
         for name in names:
             if not ok(get(name)):
                 raise ValueError(f"config.{name}={get(name)!r}: must be {what}")
+    for name, (low, high, lo_end, hi_end, why) in RANGES.items():
+        value = get(name)
+        if value is None:  # optional (rl.clip_eps_high): unset is allowed
+            continue
+        above = value > low if lo_end == "(" else value >= low
+        below = value < high if hi_end == ")" else value <= high
+        if not (above and below):
+            where = f">= {low}" if high == 1 << 30 else f"in {lo_end}{low}, {high}{hi_end}"
+            raise ValueError(f"config.{name}={value!r}: must be {where}" + (f" ({why})" if why else ""))
 
 
 def settings(config: ConfigDict) -> Settings:
