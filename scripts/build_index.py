@@ -31,6 +31,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
     from sem_jax.retrieval.build import CorpusError, build_index, corpus_passages
+    from sem_jax.run_lock import RunLocked
 
     if not (args.corpus or args.musique or args.hotpotqa):
         ap.error("give --corpus, or --musique/--hotpotqa to index the data sets' paragraphs")
@@ -48,6 +49,8 @@ def main(argv=None) -> int:
                             k1=args.k1, b=args.b, chunk=args.chunk, total=total)
     except CorpusError as e:
         sys.exit(f"error: {source}: {e}")
+    except RunLocked as e:
+        sys.exit(f"error: {e}")
     print(f"indexed {stats['passages']} passages ({stats['vocabulary']} terms, {stats['postings']} postings) from "
           f"{source} into {args.out} in {stats['seconds']:.1f}s")
     return 0

@@ -11,7 +11,9 @@ import jax
 
 def rewind_jsonl(path: str, step: int) -> int:
     """Keep the rows of `path` up to `step` (and any unreadable line, as it was); returns how many
-    were dropped. Rewritten beside it and renamed, so a crash here loses nothing."""
+    were dropped. A last line without its newline (a crash mid-write) is dropped when it does not
+    read, else ended, so that the next row is not glued onto it. Rewritten beside it and renamed,
+    so a crash here loses nothing."""
     if not os.path.exists(path):
         return 0
     with open(path) as fh:
@@ -21,8 +23,16 @@ def rewind_jsonl(path: str, step: int) -> int:
             return json.loads(line)["step"] > step
         except (ValueError, KeyError, TypeError):
             return False
+    torn = bool(lines) and not lines[-1].endswith("\n")
+    if torn:
+        try:
+            json.loads(lines[-1])
+            lines[-1] += "\n"
+        except ValueError:
+            print(f"{path}: dropped a half-written last row ({lines[-1][:60]!r}...)", flush=True)
+            lines.pop()
     keep = [line for line in lines if not after(line)]
-    if len(keep) < len(lines):
+    if len(keep) < len(lines) or torn:
         with open(path + ".tmp", "w") as fh:
             fh.writelines(keep)
         os.replace(path + ".tmp", path)

@@ -18,9 +18,22 @@ class RunLocked(RuntimeError):
 
 
 class RunLock:
-    def __init__(self, run_dir: str):
-        self.path = os.path.join(run_dir, ".lock")
+    """`RunLock(run_dir)`: one trainer per run directory. `RunLock.beside(out, job)`: one `job` per
+    output that is written elsewhere and renamed into place (an index build's `out`)."""
+
+    def __init__(self, run_dir: str, *, path: str | None = None,
+                 holder: str = "another trainer holds this run directory",
+                 advice: str = "stop it, or give this run its own run_dir"):
+        self.path = path or os.path.join(run_dir, ".lock")
+        self.holder, self.advice = holder, advice
         self.fd: int | None = None
+
+    @classmethod
+    def beside(cls, out: str, job: str) -> "RunLock":
+        """A lock on `out.lock`, beside `out` (which may not exist yet)."""
+        out = os.path.abspath(out).rstrip("/")
+        return cls(os.path.dirname(out), path=out + ".lock", holder=f"another {job} writes {out}",
+                   advice="wait for it, or give this one another output")
 
     def acquire(self) -> "RunLock":
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
@@ -29,8 +42,7 @@ class RunLock:
         except BlockingIOError:
             holder = _read(fd)
             os.close(fd)
-            raise RunLocked(f"{self.path}: another trainer holds this run directory ({_who(holder)}); stop it, or "
-                            "give this run its own run_dir") from None
+            raise RunLocked(f"{self.path}: {self.holder} ({_who(holder)}); {self.advice}") from None
         except OSError as e:  # a file system without locks (some network mounts): run, but say so
             print(f"{self.path}: cannot lock ({e.strerror}); make sure no other trainer uses this run_dir", flush=True)
             os.close(fd)

@@ -1,5 +1,6 @@
 """bm25s retriever: ranking, save/load, edge cases, corpus formats, the index script."""
 
+import os
 import json
 import subprocess
 import sys
@@ -172,6 +173,25 @@ def test_streaming_build_refuses_blank_texts_and_repeated_ids(tmp_path, monkeypa
     with pytest.raises(build.CorpusError, match="not empty and not an index"):
         build.build_index(iter([("0", docs[0])]), str(tmp_path / "notes"), show_progress=False)
     assert (tmp_path / "notes" / "keep.txt").read_text() == "mine"
+    # --out naming a file: refused, the file kept as it was (not renamed to FILE.old).
+    (tmp_path / "file").write_text("mine")
+    with pytest.raises(build.CorpusError, match="a file, not an index directory"):
+        build.build_index(iter([("0", docs[0])]), str(tmp_path / "file"), show_progress=False)
+    assert (tmp_path / "file").read_text() == "mine" and not (tmp_path / "file.old").exists()
+
+
+def test_one_index_build_per_output(tmp_path):
+    """A second build into the same --out while one runs is refused naming the first; both would
+    write the one scratch directory `out.partial`."""
+    from sem_jax.retrieval import build
+    from sem_jax.run_lock import RunLock, RunLocked
+    out = tmp_path / "idx"
+    docs = [{"id": str(i), "title": "", "text": f"passage {i}"} for i in range(5)]
+    with RunLock.beside(str(out), "index build"):  # a build in flight
+        with pytest.raises(RunLocked, match=rf"idx\.lock: another index build writes {out} \(host .*, pid {os.getpid()}"):
+            build.build_index(((str(i), d) for i, d in enumerate(docs)), str(out), show_progress=False)
+        assert not out.exists() and not (tmp_path / "idx.partial").exists()
+    assert build.build_index(((str(i), d) for i, d in enumerate(docs)), str(out), show_progress=False)["passages"] == 5
 
 
 @pytest.mark.parametrize("damage,message", [

@@ -222,6 +222,21 @@ def test_a_resume_rewinds_metrics_to_the_restored_step(tmp_path):
     assert rewind_jsonl(str(path), 3) == 0 and rewind_jsonl(str(tmp_path / "none.jsonl"), 0) == 0
 
 
+@pytest.mark.parametrize("torn", ['{"step": 3, "split": "tr', '{"step": 2, "split": "eval"}'])
+def test_a_half_written_last_metrics_row_does_not_swallow_the_next(tmp_path, torn):
+    """A crash mid-write leaves the last line without its newline: the resumed run's first row
+    must not be glued onto it (that row would be lost to every reader)."""
+    from sem_jax.metrics import MetricWriter
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps({"step": s, "split": "train", "loss": 1.0}) + "\n" for s in (1, 2)) + torn)
+    writer = MetricWriter(str(tmp_path), resumed_step=2)
+    writer.write(3, {"loss": 0.5})
+    writer.close()
+    rows = [json.loads(line) for line in path.read_text().splitlines()]  # every line reads
+    assert [(r["step"], r["split"]) for r in rows] == [(1, "train"), (2, "train")] + \
+        ([(2, "eval")] if torn.endswith("}") else []) + [(3, "train")]
+
+
 def test_sigterm_finishes_the_step_saves_and_exits_cleanly(warm_model, tmp_path):
     run = tmp_path / "r"
     cmd = _cmd(run, warm_model, "--config.train.total_steps=50", "--config.train.ckpt_every=100",

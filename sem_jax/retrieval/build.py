@@ -26,6 +26,7 @@ import numpy as np
 from tqdm import tqdm
 
 from sem_jax.retrieval.bm25 import FORMAT, _quiet_bm25s, _stemmer
+from sem_jax.run_lock import RunLock
 
 STATE_INT, STATE_FLOAT = np.int32, np.float32  # bm25s's int_dtype and dtype
 
@@ -47,6 +48,15 @@ def build_index(passages: Iterable[tuple[str, dict[str, str]]], out_dir: str, *,
     import bm25s
 
     _quiet_bm25s()
+    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+        raise CorpusError(f"{out_dir}: a file, not an index directory: give another --out (only an index is replaced)")
+    # One build per output: two would share the scratch directory below, each deleting the other's files.
+    with RunLock.beside(out_dir, "index build"):
+        return _build(passages, out_dir, bm25s, stemmer=stemmer, stopwords=stopwords, k1=k1, b=b, chunk=chunk,
+                      total=total, show_progress=show_progress)
+
+
+def _build(passages, out_dir: str, bm25s, *, stemmer, stopwords, k1, b, chunk, total, show_progress) -> dict:
     start = time.time()
     if os.path.isdir(out_dir) and os.listdir(out_dir) and not os.path.exists(os.path.join(out_dir, "sem_jax_index.json")):
         raise CorpusError(f"{out_dir}: not empty and not an index: give another --out (only an index is replaced)")
