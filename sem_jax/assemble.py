@@ -40,8 +40,8 @@ from sem_jax.sharding import make_mesh, tensor_groups
 # -- the config's fields as runtime dataclasses ---------------------------------------------
 
 # Inserted tokens are bounded per search, so that buffers are sized from the config alone:
-PASSAGE_EXTRA_TOKENS = 16   # per passage beyond its text's budget: its title (chat.TITLE_TOKENS) and
-                            # marks ("(i) ", ": ", " ..." twice, the newline)
+PASSAGE_EXTRA_TOKENS = 16   # per passage beyond its text's budget: its title, cut (chat.TITLE_TOKENS)
+                            # where a block is over budget, and marks ("(i) ", ": ", " ...", newline)
 BLOCK_EXTRA_TOKENS = 16     # per result block beyond its passages: the tags
 NOTE_TOKENS = 32            # the search-limit note
 

@@ -224,19 +224,29 @@ LONG_TITLES = ["2014–15 UEFA Champions League knockout phase", "List of Knight
 def test_result_blocks_fit_their_budget_and_always_close(qwen25_tokenizer, protocol):
     """At the paper's settings (top 5, 128 tokens a passage) five long titles over full passages
     made a block one token over the budget, cut through `</result>`: the response then parsed
-    invalid. Titles are cut, and a block still over is cut inside its passages."""
+    invalid. A block over budget has its titles cut (the budget's room for them), then is cut
+    inside its passages."""
     from sem_jax.assemble import inserted_tokens
     from sem_jax.config import base_config, paper_recipe
     from sem_jax.protocol import get_protocol
+    from sem_jax.protocol.chat import TITLE_TOKENS
     tok, proto = qwen25_tokenizer, get_protocol(protocol)
     block_budget, _ = inserted_tokens(paper_recipe(base_config()))
     text = " ".join(["The knockout phase began on 17 February 2015 and ended with the final."] * 20)
     hits = [Passage(str(i), title, text, 1.0) for i, title in enumerate(LONG_TITLES)]
+    whole = tok.encode(proto.result_block("champions league", hits, tok, 128), add_special_tokens=False)
+    assert len(whole) > block_budget or protocol == "research"  # the case found (ReSearch's marks are fewer)
+    block_budget = min(block_budget, len(whole) - 1)
     ids, shortened = proto.block_ids("champions league", hits, tok, 128, block_budget)
-    assert len(ids) <= block_budget and not shortened  # sized from the cut parts: nothing cut beyond them
+    # Sized from the cut parts: titles cut to chat.TITLE_TOKENS, every text kept at its 128 tokens.
+    assert shortened and ids == tok.encode(proto.result_block("champions league", hits, tok, 128, TITLE_TOKENS),
+                                           add_special_tokens=False) and len(ids) <= block_budget
     block = tok.decode(ids)
     assert block.rstrip().endswith("</result>") and block.count("<result>") == 1
-    assert "2014–15 UEFA Champions League knockout" not in block  # the title was cut to chat.TITLE_TOKENS
+    assert "2014–15 UEFA Champions League knockout" not in block
+    # A block that fits keeps its titles whole.
+    assert proto.block_ids("champions league", hits[:2], tok, 128, block_budget) == (
+        tok.encode(proto.result_block("champions league", hits[:2], tok, 128), add_special_tokens=False), False)
     for budget in (block_budget // 2, 60):  # tighter: passages cut shorter, then dropped; tags kept
         small, shortened = proto.block_ids("champions league", hits, tok, 128, budget)
         assert shortened and len(small) <= budget and tok.decode(small).rstrip().endswith("</result>")

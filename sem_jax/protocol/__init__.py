@@ -24,8 +24,9 @@ class Protocol:
     limit_note: str                           # inserted once when a row searches past the limit
     parse: Callable[..., Any]                 # (response text, ended with EOS) -> Parsed; never raises
     parse_query: Callable[[str], str]         # paused text -> its last query
-    result_block: Callable[[str, Sequence[Passage], Any, int], str]  # (query, passages, tokenizer, budget)
-    format_results: Callable[[Sequence[Passage], Any, int], str]     # (passages, tokenizer, budget)
+    # (query, passages, tokenizer, text budget, title budget or None), (passages, tokenizer, budgets)
+    result_block: Callable[[str, Sequence[Passage], Any, int, int | None], str]
+    format_results: Callable[[Sequence[Passage], Any, int, int | None], str]
 
     def encode_prompt(self, tokenizer, ex, system_prompt: str | None = None) -> list[int]:
         """The chat prompt's ids (Qwen's chat format) with `system_prompt` (default: the protocol's)."""
@@ -35,23 +36,26 @@ class Protocol:
     def block_ids(self, query: str, passages: Sequence[Passage], tokenizer, max_tokens_per_passage: int,
                   max_block_tokens: int) -> tuple[list[int], bool]:
         """The ids of the block inserted after a search, at most `max_block_tokens` and always
-        closed: a block built longer (long titles, text that tokenizes differently in place) has
-        its passages' texts cut shorter, then its last passages dropped, never its tags. Returns
-        (ids, whether it was shortened)."""
+        closed. A block built longer (long titles, text that tokenizes differently in place) has its
+        titles cut to `chat.TITLE_TOKENS` (the budget's room for them), then its passages' texts
+        cut shorter, then its last passages dropped; never its tags. Returns (ids, whether it was
+        shortened)."""
         enc = lambda text: tokenizer.encode(text, add_special_tokens=False)
         ids = enc(self.result_block(query, passages, tokenizer, max_tokens_per_passage))
-        budget, passages, shortened = max_tokens_per_passage, list(passages), False
+        if len(ids) <= max_block_tokens:
+            return ids, False
+        budget, passages = max_tokens_per_passage, list(passages)
+        ids = enc(self.result_block(query, passages, tokenizer, budget, chat.TITLE_TOKENS))
         while len(ids) > max_block_tokens:
-            shortened = True
             if budget > 0:  # the excess spread over the passages, at least a token each round
                 budget = max(0, budget - max(1, -(-(len(ids) - max_block_tokens) // max(1, len(passages)))))
             elif len(passages) > 1:
                 passages.pop()
             else:
                 raise ValueError(f"max_block_tokens={max_block_tokens} cannot hold a {self.name} result block "
-                                 f"with one passage's title and no text ({len(ids)} tokens)")
-            ids = enc(self.result_block(query, passages, tokenizer, budget))
-        return ids, shortened
+                                 f"with one passage's cut title and no text ({len(ids)} tokens)")
+            ids = enc(self.result_block(query, passages, tokenizer, budget, chat.TITLE_TOKENS))
+        return ids, True
 
     def rag_prompt(self, ex, results: str) -> str:
         """Naive RAG: the question's retrieved passages in the prompt, the direct instructions."""

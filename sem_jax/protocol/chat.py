@@ -18,14 +18,15 @@ def chat_prompt(ex: Example, system_prompt: str) -> str:
             f"<|im_start|>user\n{question_text(ex)}<|im_end|>\n<|im_start|>assistant\n")
 
 
-# A passage's title is cut to this many tokens: with its marks ("(1) ", ": ", " ...", the line
-# break) it fits the per-passage room the buffers give beside the text's budget
-# (assemble.PASSAGE_EXTRA_TOKENS).
+# A block over its budget has its passages' titles cut to this many tokens first: with its marks
+# ("(1) ", ": ", " ...", the line break) a cut title fits the per-passage room the buffers give
+# beside the text's budget (assemble.PASSAGE_EXTRA_TOKENS).
 TITLE_TOKENS = 8
 
 
-def cut_title(title: str, tokenizer) -> str:
-    return cut_to_tokens(title, tokenizer, TITLE_TOKENS)
+def cut_title(title: str, tokenizer, max_tokens: int | None) -> str:
+    """`title` cut to `max_tokens` tokens; None: whole."""
+    return title if max_tokens is None else cut_to_tokens(title, tokenizer, max_tokens)
 
 
 def cut_to_tokens(text: str, tokenizer, max_tokens: int) -> str:

@@ -42,20 +42,22 @@ def result_text(body: str) -> str:
     return f" <result>\n{body}\n</result>"
 
 
-def format_results(passages: Sequence[Passage], tokenizer, max_tokens_per_passage: int) -> str:
+def format_results(passages: Sequence[Passage], tokenizer, max_tokens_per_passage: int,
+                   title_tokens: int | None = None) -> str:
     """Passages as FlashRAG's wiki `contents` ("Title"\\ntext), blank-line separated, each text cut
-    to a token budget."""
+    to a token budget and its title to `title_tokens` (None: whole)."""
     parts = []
     for p in passages:
         text = chat.cut_to_tokens(p.text, tokenizer, max_tokens_per_passage)
-        parts.append(f'"{chat.cut_title(p.title, tokenizer)}"\n{text}' if p.title else text)
+        parts.append(f'"{chat.cut_title(p.title, tokenizer, title_tokens)}"\n{text}' if p.title else text)
     return result_text("\n\n".join(parts) if parts else "No results found.")
 
 
-def result_block(query: str, passages: Sequence[Passage], tokenizer, max_tokens_per_passage: int) -> str:
+def result_block(query: str, passages: Sequence[Passage], tokenizer, max_tokens_per_passage: int,
+                 title_tokens: int | None = None) -> str:
     if not query.strip():
         return result_text(NOTHING_TO_SEARCH)
-    return format_results(passages, tokenizer, max_tokens_per_passage)
+    return format_results(passages, tokenizer, max_tokens_per_passage, title_tokens)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -61,13 +61,15 @@ def parse_query(text: str) -> str:
     return text[start + len("<search>"):end].strip()
 
 
-def format_results(passages: Sequence[Passage], tokenizer, max_tokens_per_passage: int) -> str:
+def format_results(passages: Sequence[Passage], tokenizer, max_tokens_per_passage: int,
+                   title_tokens: int | None = None) -> str:
     """`\\n<result>\\n(1) Title: text\\n...\\n</result>\\n`, each passage's text cut to a token budget
-    and its title to `chat.TITLE_TOKENS`."""
+    and its title to `title_tokens` (None: whole)."""
     lines = []
     for i, p in enumerate(passages, start=1):
         text = chat.cut_to_tokens(p.text, tokenizer, max_tokens_per_passage)
-        lines.append(f"({i}) {chat.cut_title(p.title, tokenizer)}: {text}" if p.title else f"({i}) {text}")
+        title = chat.cut_title(p.title, tokenizer, title_tokens)
+        lines.append(f"({i}) {title}: {text}" if p.title else f"({i}) {text}")
     return result_text("\n".join(lines) if lines else NO_RESULTS)
 
 
@@ -76,11 +78,12 @@ def result_text(body: str) -> str:
     return f"\n<result>\n{body}\n</result>\n"
 
 
-def result_block(query: str, passages: Sequence[Passage], tokenizer, max_tokens_per_passage: int) -> str:
+def result_block(query: str, passages: Sequence[Passage], tokenizer, max_tokens_per_passage: int,
+                 title_tokens: int | None = None) -> str:
     """The block inserted after `<search>query</search>`; a blank query is told how to ask."""
     if not query.strip():
         passages = [Passage(id="", title="", text=NO_QUERY)]
-    return format_results(passages, tokenizer, max_tokens_per_passage)
+    return format_results(passages, tokenizer, max_tokens_per_passage, title_tokens)
 
 
 # -- the response grammar ---------------------------------------------------------------------
