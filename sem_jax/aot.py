@@ -19,32 +19,23 @@ per call against the ideal and predicted times per chip instead (`sem_jax.roofli
 from __future__ import annotations
 
 import dataclasses
-import math
-import os
 import sys
 
 import jax
 import jax.numpy as jnp
 from absl import app, flags
 from absl import logging as absl_logging
-from flax import nnx
 from ml_collections import ConfigDict, config_flags
 
+from sem_jax import measure, roofline
 from sem_jax.assemble import build_mesh, build_rollout_mesh, build_trainer, inserted_tokens, settings
-from sem_jax.collectives import ici_bytes
 from sem_jax.config import eval_dtype, parse_flags
-from sem_jax.model import Qwen2, Qwen2Config, flash_attention
-from sem_jax.model.hf_io import read_config
-from sem_jax.model.presets import preset
-from sem_jax.model.qwen2 import per_layer_default
+from sem_jax.model import Qwen2Config
+from sem_jax.programs import (abstract_model, cost, hbm_per_device, model_config, narrower, placed, rows_on,
+                              sampler_layers, target_devices, trainer_bytes)
 from sem_jax.rl.trainer import LOGPROB_KEYS
-from sem_jax.sampling.sampler import bucket_length, decode_loop, insert_step, layer_list, prefill_step
-from sem_jax.sharding import batch_sharding, match_param_shardings, named_sharding
-
-# HBM per device as the TPU compiler sees a compile-only topology device: one TensorCore.
-# (v4 and v5p chips hold two TensorCores; in megacore mode a chip is one device with twice
-# this, so the check is conservative there.)
-HBM_GIB = {"TPU v4": 16.0, "TPU v5 lite": 16.0, "TPU v5": 47.5, "TPU v6 lite": 32.0}
+from sem_jax.sampling.sampler import bucket_length, decode_loop, insert_step, prefill_step
+from sem_jax.sharding import match_param_shardings
 
 
 @dataclasses.dataclass
@@ -63,97 +54,6 @@ class Row:
         return self.argument + self.output + self.temp - self.alias + self.resident
 
 
-def model_config(config: ConfigDict) -> Qwen2Config:
-    m = config.model
-    if m.preset:
-        return preset(m.preset)
-    if m.path and os.path.exists(os.path.join(m.path, "config.json")):
-        return read_config(m.path)
-    if m.path:
-        raise ValueError(f"model.path {m.path!r} is not a local directory: set model.preset for a compile-only check")
-    i = m.init  # random-init demo model; the vocabulary is the BPE size plus 3 specials, padded
-    return Qwen2Config(vocab_size=-(-(i.tokenizer_vocab + 3) // 64) * 64, hidden_size=i.hidden_size,
-                       intermediate_size=i.intermediate_size, num_layers=i.num_layers, num_heads=i.num_heads,
-                       num_kv_heads=i.num_kv_heads, rope_theta=i.rope_theta, tie_word_embeddings=i.tie_word_embeddings)
-
-
-def target_devices(topology: str | None) -> list:
-    if not topology:
-        return jax.devices()
-    from jax.experimental import topologies
-    try:
-        devices = list(topologies.get_topology_desc(platform="tpu", topology_name=topology).devices)
-    except Exception as e:  # noqa: BLE001 - libtpu missing or a bad name: say which
-        raise RuntimeError(f"cannot build TPU topology {topology!r} ({type(e).__name__}: {e}); "
-                           "is jax[tpu] (libtpu) installed?") from None
-    # The description lists every TensorCore; v4 and v5p run one device per chip (megacore).
-    return [d for d in devices if getattr(d, "core_on_chip", 0) == 0]
-
-
-def hbm_per_device(devices: list, override_gib: float | None) -> float:
-    if override_gib:
-        return override_gib * 2**30
-    kind = devices[0].device_kind
-    if kind not in HBM_GIB:
-        raise ValueError(f"unknown HBM size for device kind {kind!r}: pass --hbm_gib")
-    return HBM_GIB[kind] * 2**30
-
-
-def narrower(a, b) -> jnp.dtype:
-    """The narrower of two float dtypes (the sampler's weights: `compute_weights`)."""
-    a, b = jnp.dtype(a), jnp.dtype(b)
-    return b if b.itemsize < a.itemsize else a
-
-
-def abstract_model(config: ConfigDict, mcfg: Qwen2Config, mesh, param_dtype, scan_unroll: int = 1):
-    """The model as abstract arrays (no memory) in `param_dtype`, sharded over `mesh`: the
-    module, its graph definition and its parameters."""
-    model = nnx.eval_shape(lambda: Qwen2(mcfg, rngs=nnx.Rngs(0), param_dtype=jnp.dtype(param_dtype),
-                                         dtype=jnp.dtype(config.model.compute_dtype), remat=config.model.remat,
-                                         scan_unroll=scan_unroll, cache_kernel=config.model.kernels,
-                                         attention_kernel=config.model.kernels, decode_kernel=config.model.kernels))
-    graphdef, state = nnx.split(model)
-    params = jax.tree.map(
-        lambda v: v.replace(jax.ShapeDtypeStruct(v.shape, v.dtype,
-                                                 sharding=named_sharding(mesh, v.get_metadata()["axes"], v.shape))),
-        state, is_leaf=lambda x: isinstance(x, nnx.Variable))
-    return model, graphdef, params
-
-
-def sampler_layers(graphdef, params, platform: str):
-    """The per-layer weights a sampler on `platform` holds beside `params` (`Sampler.per_layer`),
-    abstract and placed as `sem_jax.sampling.sampler.layer_list` places them; None where it runs
-    the layer scan."""
-    if not per_layer_default(sampler=True, platform=platform):
-        return None
-    return _abstract(jax.eval_shape(layer_list, graphdef, params), layer_list.lower(graphdef, params).compile()
-                     .output_shardings)
-
-
-def _abstract(tree, shardings):
-    return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), tree, shardings)
-
-
-def device_bytes(tree) -> int:
-    """Bytes per device of a tree of sharded abstract arrays (the largest shard's)."""
-    return sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(tree))
-
-
-def trainer_bytes(params, opt, config: ConfigDict) -> int:
-    """What the trainer holds per device between its calls (beside the rollout): the parameters,
-    the optimizer state and, with rl.beta > 0, the reference weights in the compute dtype."""
-    ref = 0
-    if config.rl.beta > 0:
-        dtype, compute = jnp.dtype(config.model.dtype), jnp.dtype(config.model.compute_dtype)
-        ref = device_bytes(params) * narrower(dtype, compute).itemsize // dtype.itemsize
-    return device_bytes(params) + device_bytes(opt) + ref
-
-
-def rows_on(mesh):
-    """Abstract row-sharded arrays on `mesh`: `arr(shape, dtype)`."""
-    return lambda shape, dt: jax.ShapeDtypeStruct(shape, dt, sharding=batch_sharding(mesh, shape))
-
-
 def _compile(name: str, lowered) -> tuple[Row, object | None]:
     try:
         compiled = lowered.compile()
@@ -162,17 +62,6 @@ def _compile(name: str, lowered) -> tuple[Row, object | None]:
             raise
         return Row(name, 0, 0, 0, 0, 0.0, error=str(e).split("\n")[0]), None
     return _row(name, compiled), compiled
-
-
-def cost(compiled) -> dict[str, float]:
-    """XLA's FLOPs and bytes of a compiled program, with the splash kernels' own estimates (XLA
-    counts none for them), and the bytes each device sends in its collectives (`ici`)."""
-    c = compiled.cost_analysis()
-    c = (c[0] if isinstance(c, (list, tuple)) else c) or {}
-    text = compiled.as_text()
-    kernels = flash_attention.hlo_cost(text)
-    return {"flops": float(c.get("flops", 0.0)) + kernels["flops"],
-            "bytes": float(c.get("bytes accessed", 0.0)) + kernels["bytes"], "ici": ici_bytes(text)}
 
 
 def _row(name: str, compiled) -> Row:
@@ -197,7 +86,7 @@ def check(config: ConfigDict, topology: str | None = None, hbm_gib: float | None
     out: list[Row] = []
     with jax.set_mesh(mesh):
         opt_shapes = jax.eval_shape(trainer.tx.init, params)
-        opt = _abstract(opt_shapes, match_param_shardings(opt_shapes, params, mesh))
+        opt = placed(opt_shapes, match_param_shardings(opt_shapes, params, mesh))
         # The widest batch `build_batch` makes: T for the inputs, R for the response window (the
         # sampled budget and the room for every search's inserted results).
         resp = s.sampling.response_tokens
@@ -247,7 +136,7 @@ def sampler_rows(label: str, graphdef, params, layers, prompts_n: int, group: in
                                                                    **static))
     if prefill is None:  # the decode loop's input state comes from the prefill
         return [row]
-    state = _abstract(jax.eval_shape(lambda *a: prefill_step(graphdef, *a, **static), params, layers, prompts,
+    state = placed(jax.eval_shape(lambda *a: prefill_step(graphdef, *a, **static), params, layers, prompts,
                                      lengths, key), prefill.output_shardings)
     # The stop automaton's table: one state per byte of the stop strings, plus the start.
     states = sum(len(x.encode()) for x in s.protocol.stop_strings) + 1
@@ -317,7 +206,6 @@ def main(argv):
         if _CONFIG.value.rollout.spread:
             label += " (the MLP and LM head split over all of them)"
     if FLAGS.roofline:
-        from sem_jax import roofline
         roofline.set_analysis_flags()
         config = _CONFIG.value
         devices = target_devices(FLAGS.topology)
@@ -326,7 +214,6 @@ def main(argv):
         data = roofline.report(calls, shapes, label, hbm_per_device(devices, FLAGS.hbm_gib),
                                config.rollout.group_size)
         if FLAGS.measure:
-            from sem_jax import measure
             if FLAGS.topology:
                 raise app.UsageError("--measure runs the calls on the local devices: drop --topology")
             chip = FLAGS.chip or measure.chip_of(devices[0].device_kind)

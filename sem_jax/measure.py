@@ -13,7 +13,6 @@ as the sampler's own decode loop running `Program.steps` steps, divided by them.
 from __future__ import annotations
 
 import collections
-import dataclasses
 import glob
 import gzip
 import json
@@ -22,30 +21,12 @@ import re
 import statistics
 import time
 from collections.abc import Callable
-from typing import Any
 
 import jax
 import jax.numpy as jnp
 
-
-@dataclasses.dataclass(frozen=True)
-class Filled:
-    """An integer argument with one value throughout (a length, a count, a window's start)."""
-    like: jax.ShapeDtypeStruct
-    value: int
-
-
-@dataclasses.dataclass
-class Program:
-    """One call as a GRPO step makes it."""
-    fn: Callable                  # the jitted function (static arguments passed as the step passes them)
-    args: tuple                   # abstract arrays (ShapeDtypeStruct leaves), None, or static values
-    kwargs: dict
-    mesh: Any                     # the mesh the call runs under (`jax.set_mesh`)
-    state_from: dict[int, str] = dataclasses.field(default_factory=dict)  # argument -> the program whose output it is
-    donated: tuple[int, ...] = ()  # arguments the call consumes: a fresh copy for each run
-    steps: int = 1                # the roofline's units per call (decode steps per loop)
-    check: Callable | None = None  # output -> an error text, or None: that the call did its whole work
+from sem_jax.programs import Filled, Program
+from sem_jax.roofline import Call, step_seconds
 
 
 def _leaf_value(leaf, key, vocab: int):
@@ -195,7 +176,6 @@ def compare(calls: list, measured: dict[str, dict], chip_name: str | None, chip=
     chip (`roofline.Chip`) the prediction from XLA's counts and the floor from the ideal ones (the
     model's FLOPs and bytes at the chip's peaks), each against the measurement, and the MFU and
     bandwidth utilisation measured; the step from its calls."""
-    from sem_jax.roofline import Call, step_seconds  # here: roofline imports this module
 
     seconds = lambda c, _: measured[c.name]["ms"] / 1e3  # noqa: E731
     step = {"measured_s": sum(step_seconds(calls, chip, seconds).values()), "predicted_s": 0.0, "floor_s": 0.0}

@@ -25,7 +25,7 @@ calls on the sampler's mesh (`rollout.tensor`) and the trainer's on the training
   step's and the insert's `cache_attention` it counts the kernel's own estimate, the blocks its
   grid fetches, an upper bound (a block past the longest row of its rows is not fetched); for the
   splash kernels of `flash_attention` (the prefill, the reference pass, the update) it counts
-  nothing, and `aot.cost` adds their estimate (`flash_attention.hlo_cost`).
+  nothing, and `programs.cost` adds their estimate (`flash_attention.hlo_cost`).
 - the ideal: the model's FLOPs (2 per weight per token, causal attention, the head where it runs;
   3x for the update, plus what the remat policy recomputes) and the bytes that must move (the
   weights once in the compute dtype, the KV window read, this call's keys and values written),
@@ -54,10 +54,10 @@ import jax.numpy as jnp
 from flax import nnx
 from ml_collections import ConfigDict
 
-from sem_jax.aot import abstract_model, cost, device_bytes, narrower, rows_on, sampler_layers, trainer_bytes
 from sem_jax.assemble import build_mesh, build_rollout_mesh, build_trainer, inserted_tokens, micro_batch, settings
 from sem_jax.hosts import batch_shards
-from sem_jax.measure import Filled, Program
+from sem_jax.programs import (Filled, Program, abstract_model, cost, device_bytes, narrower, rows_on, sampler_layers,
+                              trainer_bytes)
 from sem_jax.model import Qwen2Config, param_shapes
 from sem_jax.rl.loss import head_chunk
 from sem_jax.rl.trainer import LOGPROB_KEYS

@@ -8,7 +8,7 @@ import pytest
 from flax import nnx
 
 from sem_jax.model import Qwen2, Qwen2Config
-from sem_jax.model.cache_attention import cache_attention_local, merge
+from sem_jax.kernels.cache_attention import cache_attention_local, merge
 from sem_jax.sharding import make_mesh
 
 

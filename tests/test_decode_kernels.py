@@ -10,10 +10,10 @@ from flax import nnx
 from policies import random_qwen2
 
 from sem_jax.model import Qwen2Config
-from sem_jax.model.qkv_kernel import fused_qkv
+from sem_jax.kernels.qkv import fused_qkv
 from sem_jax.model.qwen2 import _dense, apply_rope, rms_norm, rms_scale, rope_tables
-from sem_jax.model.spread_mlp import fits, fused_mlp, normed
-from sem_jax.model.tpu_layout import lanes_swapped
+from sem_jax.kernels.spread_mlp import fits, fused_mlp, normed
+from sem_jax.kernels.tpu_layout import lanes_swapped
 from sem_jax.sharding import make_mesh, shard_params, tensor_groups
 
 

@@ -8,7 +8,7 @@ import pytest
 from flax import nnx
 
 from sem_jax.model import Qwen2, Qwen2Config
-from sem_jax.model.flash_attention import block, flash_attention, kernel_cost
+from sem_jax.kernels.flash_attention import block, flash_attention, kernel_cost
 from sem_jax.model.qwen2 import attention
 from sem_jax.sharding import make_mesh
 
@@ -135,7 +135,7 @@ def test_config_kernels_reach_the_model(tmp_path):
     exist is refused by name."""
     from conftest import write_hf_qwen2
 
-    from sem_jax.aot import abstract_model
+    from sem_jax.programs import abstract_model
     from sem_jax.assemble import build_policy
     from sem_jax.config import cpu_config
     from sem_jax.model import from_pretrained

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
-from sem_jax.measure import Filled, Program, chip_of, compare, concrete, run
+from sem_jax.measure import chip_of, compare, concrete, run
+from sem_jax.programs import Filled, Program
 from sem_jax.roofline import CHIPS, Call
 from sem_jax.sharding import make_mesh
 from subprocs import cpu_env

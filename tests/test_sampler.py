@@ -253,7 +253,7 @@ def test_spread_sampling_draws_from_the_softmax_where_the_logits_lie():
 
 @pytest.mark.parametrize("v", [768, 1024])  # 96 per device: the head's slice stored transposed on a TPU
 def test_head_kernel_samples_without_writing_the_logits(v):
-    """`sample_spread` through `head_kernel` (interpreted; 8 devices, the head's vocabulary split 8
+    """`sample_spread` through `head_sampling` (interpreted; 8 devices, the head's vocabulary split 8
     ways): from the rows and the head's weight, greedy picks the first maximum of their logits
     (a tie across devices too) and sampled tokens follow softmax(logits / T), with log_softmax's
     log-probs; the noise is a function of the key, row and token id, so the draws are the mesh's
@@ -292,7 +292,7 @@ def test_head_kernel_samples_without_writing_the_logits(v):
 
 def test_decode_kernels_sample_as_xla():
     """The sampler on the spread mesh (4 groups of 2) with its decode step's MLP in `fused_mlp` and
-    its LM head and sampling in `head_kernel` (both interpreted): the greedy tokens and log-probs
+    its LM head and sampling in `head_sampling` (both interpreted): the greedy tokens and log-probs
     of XLA's dots and logits, through a decode, an insert and a decode again."""
     from policies import Qwen2Config
 
@@ -401,7 +401,7 @@ def test_spread_layout_sends_the_rows_not_the_weights():
     from flax import nnx
     from policies import Qwen2Config
 
-    from sem_jax.aot import cost
+    from sem_jax.programs import cost
     from sem_jax.sharding import batch_sharding, make_mesh, shard_params, tensor_groups
 
     cfg = Qwen2Config(vocab_size=256, hidden_size=64, intermediate_size=1024, num_layers=2, num_heads=8,
@@ -451,8 +451,8 @@ def test_per_layer_defaults_by_platform():
     keeps them, none on a TPU."""
     from flax import nnx
 
-    from sem_jax.aot import sampler_layers
-    from sem_jax.model.qwen2 import per_layer_default
+    from sem_jax.programs import sampler_layers
+    from sem_jax.kernels.dispatch import per_layer_default
 
     assert [per_layer_default(sampler=True, platform=p) for p in ("cpu", "gpu", "tpu")] == [True, True, False]
     assert [per_layer_default(platform=p) for p in ("cpu", "gpu", "tpu")] == [True, False, False]

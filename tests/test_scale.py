@@ -166,7 +166,7 @@ import json, sys
 import jax, jax.numpy as jnp, numpy as np
 from jax.experimental import topologies
 from jax.sharding import Mesh, NamedSharding
-from sem_jax.model.cache_attention import cache_attention
+from sem_jax.kernels.cache_attention import cache_attention
 from sem_jax.model.qwen2 import CACHE_AXES
 from sem_jax.sharding import MESH_AXES, AXIS_TYPES, logical_to_spec
 devices = topologies.get_topology_desc(platform="tpu", topology_name="v4:2x2x1").devices
@@ -207,7 +207,7 @@ from flax import nnx
 from jax.experimental import topologies
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from sem_jax.model import Qwen2, Qwen2Config
-from sem_jax.aot import cost
+from sem_jax.programs import cost
 from sem_jax.sharding import MESH_AXES, AXIS_TYPES
 devices = topologies.get_topology_desc(platform="tpu", topology_name="v4:2x2x1").devices
 mesh = Mesh(np.array(devices).reshape(-1, 1, 2), MESH_AXES, axis_types=AXIS_TYPES)
@@ -234,7 +234,7 @@ print(json.dumps(out))
 def test_flash_kernels_compile_for_tpu_and_the_roofline_counts_them():
     """A training forward and backward (1024 tokens, the layer scan) with the splash kernels
     compiles for a v4 topology (rows over data, heads over tensor 2); XLA counts no FLOPs for
-    them and `aot.cost` (the roofline's and the fit check's count) adds a hand count's: per layer
+    them and `programs.cost` (the roofline's and the fit check's count) adds a hand count's: per layer
     iteration (counted once, as XLA counts a loop's body) 3 of the 4 causal [512, 512] blocks per
     query head, 2 matmuls in the forward, 3 in dq, 4 in dkv. The kernels move fewer bytes than
     XLA's attention, which writes the scores."""
@@ -269,7 +269,7 @@ import json
 import jax, jax.numpy as jnp
 from flax import nnx
 from sem_jax.model import Qwen2Config
-from sem_jax.aot import abstract_model, cost, target_devices
+from sem_jax.programs import abstract_model, cost, target_devices
 from sem_jax.config import base_config
 from sem_jax.roofline import set_analysis_flags, weight_bytes, weight_shares
 from sem_jax.sharding import make_mesh, tensor_groups
@@ -312,8 +312,8 @@ import json, re
 import jax, jax.numpy as jnp
 from flax import nnx
 from sem_jax.model import Qwen2Config
-from sem_jax.model.tpu_layout import lanes_swapped, sublanes_moved
-from sem_jax.aot import abstract_model, cost, target_devices
+from sem_jax.kernels.tpu_layout import lanes_swapped, sublanes_moved
+from sem_jax.programs import abstract_model, cost, target_devices
 from sem_jax.config import base_config
 from sem_jax.roofline import set_analysis_flags
 from sem_jax.sharding import make_mesh, tensor_groups

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from sem_jax.model import cache_attention, flash_attention, head_kernel, qkv_kernel, spread_mlp
+from sem_jax.kernels import cache_attention, dispatch, flash_attention, head_sampling, qkv, spread_mlp
 from sem_jax.model.config import Qwen2Config
 from sem_jax.sharding import constrain, logical_to_spec, shards
 
@@ -34,7 +34,6 @@ LAYER_PARAMS: dict[str, tuple[tuple[str, ...], str]] = {
     "down_kernel": (("layers", "mlp", "embed"), "normal"),
 }
 
-KERNEL_MODES = ("auto", "pallas", "interpret", "xla")
 KERNELS = ("q_kernel", "k_kernel", "v_kernel", "o_kernel", "gate_kernel", "up_kernel", "down_kernel")
 
 
@@ -49,18 +48,6 @@ REMAT_POLICIES = {
     "dots": jax.checkpoint_policies.checkpoint_dots,
     "dots_no_batch": jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims,
 }
-
-def per_layer_default(sampler: bool = False, platform: str | None = None) -> bool:
-    """Whether the trainer (or, `sampler`, the sampler) runs the layers one by one
-    (`hidden_states(layers=...)`) rather than under the layer scan, on `platform` (default: the
-    backend's). Both on CPUs, where the scan copies each layer's weights (and cache window) before
-    using them. The sampler on GPUs too: there the scan also copied each layer's slices, and
-    transposed the whole stacked KV cache for the attention's dots at every decode step (a
-    per-layer cache stores keys and values in the dots' layout: a 3x faster decode step on an
-    H200). TPUs keep the scan (with the `cache_attention` kernel reading the cache in place)."""
-    platform = platform or jax.default_backend()
-    return platform == "cpu" or (sampler and platform == "gpu")
-
 
 # Stacked keys and values, slots before heads: [S, K, D] as this call's new keys are [T, K, D].
 CACHE_AXES = ("layers", "batch", "cache_length", "act_kv_heads", "head_dim")
@@ -148,17 +135,6 @@ def _dense(x: jax.Array, p: dict[str, jax.Array], name: str) -> jax.Array:
     if name + "_t" in p:  # [out, in] (layer_list(transposed=True))
         return jax.lax.dot_general(x.reshape(x.shape[0], -1), p[name + "_t"], (((1,), (1,)), ((), ())))
     return jax.lax.dot_general(x, p[name], ((tuple(range(1, x.ndim)), tuple(range(x.ndim - 1))), ((), ())))
-
-
-def _kernel_choice(name: str, mode: str, applies: bool, auto: bool, needs: str) -> str | None:
-    """A kernel mode (`name`'s `mode`) resolved for one call: None for XLA's `attention` ("xla",
-    or "auto" where `auto` does not hold), else the mode; a kernel asked for where it cannot
-    apply is refused, saying what it `needs`."""
-    if mode == "xla" or (mode == "auto" and not auto):
-        return None
-    if not applies:
-        raise ValueError(f"{name}={mode!r} needs {needs}")
-    return mode
 
 
 MLP_KERNELS = ("gate_kernel", "up_kernel", "down_kernel")
@@ -258,16 +234,15 @@ class Qwen2(nnx.Module):
             raise ValueError(f"remat={remat!r}; choose one of {sorted(REMAT_POLICIES)}")
         for name, mode in (("cache_kernel", cache_kernel), ("attention_kernel", attention_kernel),
                            ("decode_kernel", decode_kernel)):
-            if mode not in KERNEL_MODES:
-                raise ValueError(f"{name}={mode!r}; choose one of {KERNEL_MODES}")
+            dispatch.check_mode(name, mode)
         self.config = config
         # How a stacked cache's window is attended to (`cache_kernel`) and a sequence to itself
         # without a cache (`attention_kernel`: the training forward, a prefill): "pallas" (the
         # kernels of `cache_attention` and `flash_attention`), "interpret" (the same kernels
         # interpreted, on any backend: tests), "xla" (`attention`), "auto" (the kernel where it
         # compiles for TPUs and applies, else XLA). `decode_kernel`: the same for a decode step's
-        # fused kernels on stacked weights (`qkv_kernel`: its attention inputs; on the sampler's
-        # spread mesh `spread_mlp.fused_mlp`, and `head_kernel`, the LM head with sampling, where
+        # fused kernels on stacked weights (`kernels.qkv`: its attention inputs; on the sampler's
+        # spread mesh `spread_mlp.fused_mlp`, and `head_sampling`, the LM head with sampling, where
         # `head_kernel_mode` says).
         self.cache_kernel = cache_kernel
         self.attention_kernel = attention_kernel
@@ -335,13 +310,13 @@ class Qwen2(nnx.Module):
 
     def head_kernel_mode(self, n: int) -> str | None:
         """The `decode_kernel` mode in which the sampler draws a decode step's tokens for `n` rows
-        in the spread layout (`spreads_head`) by `head_kernel` (no logits written), or None for
+        in the spread layout (`spreads_head`) by `head_sampling` (no logits written), or None for
         `logits` and a reduction over them."""
         c = self.config
         v = c.vocab_size // shards("head_vocab", c.vocab_size)
-        applies = head_kernel.fits(n, c.hidden_size, v, jnp.dtype(self.dtype).itemsize)
-        return _kernel_choice("decode_kernel", self.decode_kernel, applies, applies and cache_attention.on_tpu(),
-                              f"{n} rows by a vocabulary slice of {v} in {head_kernel.VMEM_BUDGET} bytes of VMEM")
+        applies = head_sampling.fits(n, c.hidden_size, v, jnp.dtype(self.dtype).itemsize)
+        return dispatch.choice("decode_kernel", self.decode_kernel, applies, applies and dispatch.on_tpu(),
+                              f"{n} rows by a vocabulary slice of {v} in {head_sampling.VMEM_BUDGET} bytes of VMEM")
 
     def lm_head_weight(self) -> jax.Array:
         """[E, V] output projection in the compute dtype (for chunked log-prob code)."""
@@ -544,8 +519,8 @@ class Qwen2(nnx.Module):
         c = self.config
         applies = (cache.k.dtype == jnp.dtype(self.dtype)
                    and cache_attention.local_kv_heads(c.num_kv_heads) == 1)
-        auto = applies and c.head_dim % 128 == 0 and cache_attention.on_tpu()
-        return _kernel_choice("cache_kernel", self.cache_kernel, applies, auto,
+        auto = applies and c.head_dim % 128 == 0 and dispatch.on_tpu()
+        return dispatch.choice("cache_kernel", self.cache_kernel, applies, auto,
                               f"a {jnp.dtype(self.dtype).name} cache (have {cache.k.dtype}) and one KV head per "
                               f"device (have {cache_attention.local_kv_heads(c.num_kv_heads)} of {c.num_kv_heads})")
 
@@ -557,7 +532,7 @@ class Qwen2(nnx.Module):
         `attention` with `mask` [B, T, T]."""
         c = self.config
         applies = flash_attention.applies(t, c.num_heads, c.num_kv_heads, c.head_dim)
-        mode = _kernel_choice("attention_kernel", self.attention_kernel, applies, applies and cache_attention.on_tpu(),
+        mode = dispatch.choice("attention_kernel", self.attention_kernel, applies, applies and dispatch.on_tpu(),
                               f"whole blocks of {flash_attention.BLOCKS[-1]} tokens (have {t}), head_dim % 128 == 0 "
                               f"(have {c.head_dim}) and the query and KV heads split alike over the mesh "
                               f"({c.num_heads} and {c.num_kv_heads} heads)")
@@ -606,22 +581,22 @@ class Qwen2(nnx.Module):
 
     def _qkv_kernel(self, b: int, p: dict[str, jax.Array], layer: jax.Array | None) -> str | None:
         """The `decode_kernel` mode in which a one-token step of `b` rows computes its attention
-        inputs by `qkv_kernel` (on the stacked weights, layer `layer` of them), or None for XLA."""
+        inputs by `kernels.qkv` (on the stacked weights, layer `layer` of them), or None for XLA."""
         c = self.config
         names = ("q_kernel", "k_kernel", "v_kernel")
         hq, hk = (n // shards(a, n) for n, a in ((c.num_heads, "heads"), (c.num_kv_heads, "kv_heads")))
         applies = (layer is not None and all(k in p for k in names) and shards("embed", c.hidden_size) == 1
                    and all(self.layers[k].dtype == jnp.dtype(self.dtype) for k in names)
-                   and qkv_kernel.fits(b // shards("batch", b), c.hidden_size, hq + 2 * hk, c.head_dim,
+                   and qkv.fits(b // shards("batch", b), c.hidden_size, hq + 2 * hk, c.head_dim,
                                        jnp.dtype(self.dtype).itemsize))
-        return _kernel_choice("decode_kernel", self.decode_kernel, applies, applies and cache_attention.on_tpu(),
+        return dispatch.choice("decode_kernel", self.decode_kernel, applies, applies and dispatch.on_tpu(),
                               f"the stacked untransposed weights in the compute dtype, the embedding whole on "
                               f"each device and {b} rows by {hq + 2 * hk} heads of {c.head_dim} in "
-                              f"{qkv_kernel.VMEM_BUDGET} bytes of VMEM")
+                              f"{qkv.VMEM_BUDGET} bytes of VMEM")
 
     def _fused_qkv(self, x: jax.Array, p: dict[str, jax.Array], layer: jax.Array, cos: jax.Array,
                    sin: jax.Array, mode: str) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """q, k, v [B, 1, H, D] of a one-token step by `qkv_kernel`, each device on its rows and heads."""
+        """q, k, v [B, 1, H, D] of a one-token step by `kernels.qkv`, each device on its rows and heads."""
         c = self.config
         mesh = jax.sharding.get_abstract_mesh()
         shape = {} if mesh.empty else dict(mesh.shape)
@@ -635,7 +610,7 @@ class Qwen2(nnx.Module):
         def local(x, nw, wq, wk, wv, bq, bk, bv, cos, sin, layer):
             r, t, e = x.shape
             flat = x.reshape(r * t, e)
-            return qkv_kernel.fused_qkv(flat, rms_scale(flat, c.rms_norm_eps), nw.reshape(1, e), wq, wk, wv,
+            return qkv.fused_qkv(flat, rms_scale(flat, c.rms_norm_eps), nw.reshape(1, e), wq, wk, wv,
                                         bq, bk, bv, cos.reshape(r * t, -1), sin.reshape(r * t, -1), layer,
                                         interpret=mode == "interpret")
 
@@ -661,7 +636,7 @@ class Qwen2(nnx.Module):
         m = c.intermediate_size // shards("mlp", c.intermediate_size)
         item = jnp.dtype(self.dtype).itemsize
         applies = "gate_kernel" in p and spread_mlp.fits(x.shape[0], c.hidden_size, m, item)
-        mode = _kernel_choice("decode_kernel", self.decode_kernel, applies, applies and cache_attention.on_tpu(),
+        mode = dispatch.choice("decode_kernel", self.decode_kernel, applies, applies and dispatch.on_tpu(),
                               f"untransposed weights and {x.shape[0]} rows by {m} intermediate columns in "
                               f"{spread_mlp.VMEM_BUDGET} bytes of VMEM")
         names = [k for k in p if k.removesuffix("_t") in MLP_KERNELS]

@@ -15,7 +15,7 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from sem_jax.model.qwen2 import per_layer_default
+from sem_jax.kernels.dispatch import per_layer_default
 from sem_jax.rl.loss import GRPOConfig, grpo_loss, token_logprobs
 from sem_jax.sharding import put
 

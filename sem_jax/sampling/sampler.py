@@ -20,8 +20,8 @@ import numpy as np
 from flax import nnx
 
 from sem_jax import hosts
-from sem_jax.model import head_kernel
-from sem_jax.model.qwen2 import HEAD_LOGITS_AXES, KVCache, Qwen2, cache_axes, per_layer_default
+from sem_jax.kernels.dispatch import head_candidates, per_layer_default
+from sem_jax.model.qwen2 import HEAD_LOGITS_AXES, KVCache, Qwen2, cache_axes
 from sem_jax.sharding import constrain, logical_to_spec, put, shard_params, shards
 from sem_jax.sampling.stop import StopAutomaton
 
@@ -184,7 +184,7 @@ def sample_spread(logits: jax.Array | None, key: jax.Array, cfg: SamplingConfig,
     draw.
 
     `head` = (hidden [B, E], the head's weight [E, V], kernel mode): no logits; each device's
-    candidate comes from `head_kernel.head_candidates` on its slice of the weight (its noise a
+    candidate comes from `head_sampling.head_candidates` on its slice of the weight (its noise a
     function of the key, row and token id alone)."""
     if not cfg.whole_vocabulary:
         raise ValueError("sample_spread samples from the whole vocabulary: no top_k or top_p")
@@ -227,7 +227,7 @@ def sample_spread(logits: jax.Array | None, key: jax.Array, cfg: SamplingConfig,
 
     def local_head(h, w, key):
         seed = jax.random.key_data(key).reshape(-1)[:2]
-        return combine(*head_kernel.head_candidates(h, w, seed, index(vocab) * w.shape[1], scale=scale,
+        return combine(*head_candidates(h, w, seed, index(vocab) * w.shape[1], scale=scale,
                                                     greedy=cfg.greedy, vocab=total_vocab, interpret=mode == "interpret"))
 
     if mesh.empty:

@@ -16,8 +16,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from sem_jax.model.spread_mlp import BLOCKS, normed
-from sem_jax.model.tpu_layout import sublanes_moved
+from sem_jax.kernels.spread_mlp import BLOCKS, normed
+from sem_jax.kernels.tpu_layout import sublanes_moved
 
 VMEM_BUDGET = 12 * 2**20
 

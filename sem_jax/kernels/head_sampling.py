@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from sem_jax.model.tpu_layout import lanes_swapped
+from sem_jax.kernels.tpu_layout import lanes_swapped
 
 VMEM_BUDGET = 12 * 2**20
 BLOCK = 512  # most vocabulary entries per block

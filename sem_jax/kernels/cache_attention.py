@@ -190,13 +190,6 @@ def cache_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, layer:
                          out_specs=out_specs, check_vma=False)(q, k_cache, v_cache, layer, lengths, own)
 
 
-def on_tpu() -> bool:
-    """Whether this trace compiles for TPUs: the ambient mesh's devices (a compile-only TPU
-    topology from a CPU host counts), else the default backend."""
-    mesh = jax.sharding.get_abstract_mesh()
-    return (jax.default_backend() if mesh.empty else mesh.abstract_device.platform) == "tpu"
-
-
 def local_kv_heads(num_kv_heads: int) -> int:
     return num_kv_heads // shards("act_kv_heads", num_kv_heads)
 

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from sem_jax.model.tpu_layout import lanes_swapped
+from sem_jax.kernels.tpu_layout import lanes_swapped
 from sem_jax.sharding import logical_to_spec
 
 ROW_AXES = ("batch", "length", "act_embed")
