@@ -105,7 +105,7 @@ def bench_sem_jax(path: str, prompts: np.ndarray, iters: int) -> dict:
     from sem_jax.model import from_pretrained
     from sem_jax.rl.batch import build_batch
     from sem_jax.rl.loss import GRPOConfig
-    from sem_jax.rl.trainer import GRPOTrainer, OptimConfig
+    from sem_jax.rl.trainer import OptimConfig, Trainer
     from sem_jax.sampling import Sampler, SamplingConfig, Trajectory
     from sem_jax.sampling.stop import StopAutomaton
 
@@ -113,7 +113,7 @@ def bench_sem_jax(path: str, prompts: np.ndarray, iters: int) -> dict:
     never = StopAutomaton(("</search>",), np.zeros((CFG["vocab_size"], 1), np.int32))
     sampler = Sampler(model, never, SamplingConfig(max_new_tokens=NEW, temperature=1.0))
     # LM-head chunks of 64 rows x 8 positions (16 MiB of logits): the fastest of 4..64 positions here.
-    trainer = GRPOTrainer(model, GRPOConfig(beta=BETA, clip_eps=0.2),
+    trainer = Trainer(model, GRPOConfig(beta=BETA, clip_eps=0.2),
                           OptimConfig(lr=1e-6, grad_clip=1.0, weight_decay=0.0), micro_batch=PROMPTS * G,
                           logprob_chunk=8, group_size=G)
     _, params = nnx.split(model)

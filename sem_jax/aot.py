@@ -25,16 +25,19 @@ import jax
 import jax.numpy as jnp
 from absl import app, flags
 from absl import logging as absl_logging
-from ml_collections import ConfigDict, config_flags
+from ml_collections import config_flags
 
 from sem_jax import measure, roofline
-from sem_jax.assemble import build_mesh, build_rollout_mesh, build_trainer, inserted_tokens, settings
-from sem_jax.config import eval_dtype, parse_flags
+from sem_jax.assemble import abstract_model, build, inserted_tokens, model_config
+from sem_jax.config import parse_flags
 from sem_jax.model import Qwen2Config
-from sem_jax.programs import (abstract_model, cost, hbm_per_device, model_config, narrower, placed, rows_on,
-                              sampler_layers, target_devices, trainer_bytes)
+from sem_jax.programs import (cost, hbm_per_device, narrower, placed, rows_on, sampler_layers, target_devices,
+                              trainer_bytes)
+from sem_jax.rl.batch import widest_batch
 from sem_jax.rl.trainer import LOGPROB_KEYS
 from sem_jax.sampling.sampler import bucket_length, decode_loop, insert_step, prefill_step
+from sem_jax.sampling.stop import trie_states
+from sem_jax.settings import Config, load
 from sem_jax.sharding import match_param_shardings
 
 
@@ -70,33 +73,26 @@ def _row(name: str, compiled) -> Row:
                m.alias_size_in_bytes, cost(compiled)["flops"])
 
 
-def check(config: ConfigDict, topology: str | None = None, hbm_gib: float | None = None) -> tuple[list[Row], float]:
+def check(config: Config, topology: str | None = None, hbm_gib: float | None = None) -> tuple[list[Row], float]:
     """Compile every step function for the target; returns the rows and HBM bytes per device."""
     devices = target_devices(topology)
     hbm = hbm_per_device(devices, hbm_gib)
-    mesh = build_mesh(config, devices)
-    rollout_mesh = build_rollout_mesh(config, mesh)
-    s = settings(config)
-    mcfg = model_config(config)
+    run = build(config, "compile", devices=devices)
+    mesh, rollout_mesh, s, mcfg, params, trainer = (run.mesh, run.rollout_mesh, run.settings, run.model_config,
+                                                    run.params, run.trainer)
     dtype, compute = jnp.dtype(config.model.dtype), jnp.dtype(config.model.compute_dtype)
-    model, _, params = abstract_model(config, mcfg, mesh, dtype)
     g = config.rollout.group_size
     rows_n = config.data.prompts_per_step * g
-    trainer = build_trainer(config, model, s, mesh, per_layer=False)  # the layer scan, as on the TPU
     out: list[Row] = []
     with jax.set_mesh(mesh):
         opt_shapes = jax.eval_shape(trainer.tx.init, params)
         opt = placed(opt_shapes, match_param_shardings(opt_shapes, params, mesh))
-        # The widest batch `build_batch` makes: T for the inputs, R for the response window (the
-        # sampled budget and the room for every search's inserted results).
-        resp = s.sampling.response_tokens
-        t = bucket_length(config.data.max_prompt_tokens + resp - 1, 32)
-        w = bucket_length(resp, 32)
+        # The widest batch `build_batch` makes: the prompts' cap, the sampled budget and the room for
+        # every search's inserted results.
         arr = rows_on(mesh)
-        batch = {"inputs": arr((rows_n, t), jnp.int32), "start": arr((rows_n,), jnp.int32),
-                 "targets": arr((rows_n, w), jnp.int32), "mask": arr((rows_n, w), jnp.float32),
-                 "advantages": arr((rows_n,), jnp.float32), "sampler_logprobs": arr((rows_n, w), jnp.float32)}
-        ref = arr((rows_n, w), jnp.float32) if s.grpo.beta > 0 else None
+        batch = {k: arr(shape, dt) for k, (shape, dt) in
+                 widest_batch(rows_n, config.data.max_prompt_tokens, s.sampling.response_tokens).items()}
+        ref = arr(batch["targets"].shape, jnp.float32) if s.grpo.beta > 0 else None
         out.append(_compile("grpo update", trainer.update_fn.lower(params, opt, batch, ref))[0])
         if ref is not None:
             lp_in = {k: batch[k] for k in LOGPROB_KEYS if k in batch}  # no packed rows in GRPO
@@ -109,7 +105,7 @@ def check(config: ConfigDict, topology: str | None = None, hbm_gib: float | None
     # The sampler casts the weights to the compute dtype (`compute_weights`) in its own layout
     # (`build_rollout_mesh`); sem_jax.evaluate samples greedily, one row per question, from
     # parameters in model.eval_dtype.
-    evaluated = jnp.dtype(eval_dtype(config))
+    evaluated = jnp.dtype(config.model.evaluated_dtype)
     with jax.set_mesh(rollout_mesh):
         for label, prompts_n, group, param_dtype, resident in (
                 ("sampler", p, g, dtype, trainer_state), (f"eval ({evaluated.name})", p * g, 1, evaluated, 0)):
@@ -122,7 +118,7 @@ def check(config: ConfigDict, topology: str | None = None, hbm_gib: float | None
     return out, hbm
 
 
-def sampler_rows(label: str, graphdef, params, layers, prompts_n: int, group: int, config: ConfigDict, s,
+def sampler_rows(label: str, graphdef, params, layers, prompts_n: int, group: int, config: Config, s,
                  mcfg: Qwen2Config, arr) -> list[Row]:
     """The sampler's prefill, decode loop and (with searches) insert for `prompts_n` prompts x
     `group` rows each, with its per-layer weights `layers` (`sampler_layers`) or the layer scan."""
@@ -138,9 +134,7 @@ def sampler_rows(label: str, graphdef, params, layers, prompts_n: int, group: in
         return [row]
     state = placed(jax.eval_shape(lambda *a: prefill_step(graphdef, *a, **static), params, layers, prompts,
                                      lengths, key), prefill.output_shardings)
-    # The stop automaton's table: one state per byte of the stop strings, plus the start.
-    states = sum(len(x.encode()) for x in s.protocol.stop_strings) + 1
-    table = jax.ShapeDtypeStruct((mcfg.vocab_size, states), jnp.int32)
+    table = jax.ShapeDtypeStruct((mcfg.vocab_size, trie_states(s.protocol.stop_strings)), jnp.int32)
     rows = [row, _compile(f"{label} decode loop", decode_loop.lower(
         graphdef, params, layers, state, table, jax.ShapeDtypeStruct((2,), jnp.int32),
         jax.ShapeDtypeStruct((), jnp.int32), cfg=s.sampling, window=tp + resp))[0]]
@@ -200,17 +194,17 @@ def main(argv):
     absl_logging.set_verbosity(absl_logging.ERROR)
     if _CONFIG.value is None:
         raise app.UsageError("--config is required")
-    label = f"{FLAGS.topology or jax.devices()[0].device_kind} mesh {dict(_CONFIG.value.mesh)}"
-    if _CONFIG.value.rollout.tensor:
-        label += f", rollout in tensor-parallel groups of {_CONFIG.value.rollout.tensor}"
-        if _CONFIG.value.rollout.spread:
+    config = load(_CONFIG.value)
+    label = f"{FLAGS.topology or jax.devices()[0].device_kind} mesh {dataclasses.asdict(config.mesh)}"
+    if config.rollout.tensor:
+        label += f", rollout in tensor-parallel groups of {config.rollout.tensor}"
+        if config.rollout.spread:
             label += " (the MLP and LM head split over all of them)"
     if FLAGS.roofline:
         roofline.set_analysis_flags()
-        config = _CONFIG.value
         devices = target_devices(FLAGS.topology)
+        calls, shapes, programs = roofline.analyse(config, devices)
         mcfg = model_config(config)
-        calls, shapes, programs = roofline.analyse(config, devices, mcfg)
         data = roofline.report(calls, shapes, label, hbm_per_device(devices, FLAGS.hbm_gib),
                                config.rollout.group_size)
         if FLAGS.measure:
@@ -229,7 +223,7 @@ def main(argv):
         if FLAGS.json:
             roofline.write_json(data, FLAGS.json)
         return
-    rows, hbm = check(_CONFIG.value, FLAGS.topology, FLAGS.hbm_gib)
+    rows, hbm = check(config, FLAGS.topology, FLAGS.hbm_gib)
     ok = report(rows, hbm, label)
     if not ok:
         print("DOES NOT FIT: shrink micro_batch / max_new_tokens, add remat, or use more devices", file=sys.stderr)

@@ -3,13 +3,12 @@
 `settings(config)` turns the config's fields into the runtime dataclasses (sampling, rollout,
 GRPO, optimizer, reward); nothing else reads those fields, so there is no second set of
 defaults. The `build_*` functions make the objects that hold arrays or files (mesh, policy,
-retriever, samplers, trainer), and `build_run` puts a training run's together.
+retriever, samplers, trainer), and `build` puts a run's together for its purpose.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -20,21 +19,24 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
-from ml_collections import ConfigDict
 
+from sem_jax.checkpoint import Checkpointer, checkpoint_run_dir
 from sem_jax.data.example import Example
 from sem_jax.data.mix import process_share
 from sem_jax.data.questions import load_questions
 from sem_jax.errors import Refused
 from sem_jax.hosts import CallLog, batch_shards, local_batch_multiple
 from sem_jax.model import Qwen2, Qwen2Config, from_pretrained
+from sem_jax.model.hf_io import read_config
+from sem_jax.model.presets import preset
 from sem_jax.model.tokenizer import load_tokenizer, train_bpe_tokenizer
 from sem_jax.protocol import Protocol, get_protocol
 from sem_jax.rl.loss import GRPOConfig
-from sem_jax.rl.trainer import GRPOTrainer, OptimConfig
+from sem_jax.rl.trainer import Trainer, OptimConfig
 from sem_jax.sampling import RolloutConfig, Sampler, SamplingConfig, build_stop_automaton
-from sem_jax.sem.reward import RewardParams, check_sem_params, get_reward
-from sem_jax.sharding import make_mesh, tensor_groups
+from sem_jax.rewards.rules import RewardParams, check_sem_params, get_reward
+from sem_jax.settings import Config
+from sem_jax.sharding import make_mesh, named_sharding, tensor_groups
 
 
 # -- the config's fields as runtime dataclasses ---------------------------------------------
@@ -46,7 +48,7 @@ BLOCK_EXTRA_TOKENS = 16     # per result block beyond its passages: the tags
 NOTE_TOKENS = 32            # the search-limit note
 
 
-def inserted_tokens(config: ConfigDict) -> tuple[int, int]:
+def inserted_tokens(config: Config) -> tuple[int, int]:
     """(one search's block at most, all inserted tokens of a response at most): max_searches
     blocks of top_k passages, and the limit note once."""
     r = config.retrieval
@@ -75,82 +77,10 @@ class Settings:
         return dataclasses.replace(self, sampling=dataclasses.replace(self.sampling, eos_ids=stop_ids(tokenizer)))
 
 
-# Fields that must be positive (counts and sizes) or not negative, checked before anything is built.
-POSITIVE = ("rollout.group_size", "rollout.max_new_tokens", "rl.micro_batch", "rl.logprob_chunk",
-            "data.prompts_per_step", "data.eval_questions", "data.max_prompt_tokens", "retrieval.top_k",
-            "retrieval.max_tokens_per_passage", "train.log_every", "train.ckpt_every", "train.keep_checkpoints",
-            "sft.traces", "sft.steps", "sft.rows")
-NOT_NEGATIVE = ("rollout.max_searches", "rollout.temperature", "rollout.window_steps", "train.total_steps",
-                "train.eval_every", "optim.lr", "optim.weight_decay", "optim.warmup_steps", "optim.grad_clip",
-                "rl.beta", "rl.clip_eps", "sft.lr", "sft.width", "sft.micro_batch", "sft.grad_clip", "retrieval.threads")
-
-
-# Fields with both bounds: (low, high, "[" or "(" for a closed or open low end, "]" or ")" likewise),
-# and why where it is not plain.
-RANGES = {
-    "reward_params.tau": (0.0, 1.0, "(", "]", "F1 at or above it counts as correct: 0 takes every answer, "
-                                              "over 1 none"),
-    "optim.b1": (0.0, 1.0, "[", ")", "Adam's decay"),
-    "optim.b2": (0.0, 1.0, "[", ")", "Adam's decay"),
-    "optim.lr": (0.0, 1.0, "[", "]", ""),
-    "sft.lr": (0.0, 1.0, "[", "]", ""),
-    "optim.weight_decay": (0.0, 1.0, "[", "]", ""),
-    "sft.weight_decay": (0.0, 1.0, "[", "]", ""),
-    "rl.clip_eps": (0.0, 1.0, "[", "]", "a ratio's distance from 1"),
-    "rl.clip_eps_high": (0.0, 10.0, "[", "]", "a ratio's distance from 1"),
-    "rollout.top_p": (0.0, 1.0, "(", "]", ""),
-    "rollout.top_k": (0, 1 << 30, "[", "]", "0: all tokens"),
-    "rollout.group_size": (2, 1 << 30, "[", "]", "GRPO's advantages compare a question's trajectories: with "
-                                                 "one, every group ties and no step learns"),
-    "sft.search_share": (0.0, 1.0, "[", "]", ""),
-    "train.min_start_valid": (0.0, 1.0, "[", "]", ""),
-    "rl.adv_eps": (0.0, 1.0, "(", "]", ""),
-    "optim.eps": (0.0, 1.0, "(", "]", ""),
-}
-
-
-def _numbers(config: ConfigDict, prefix: str = "") -> list[tuple[str, float]]:
-    out = []
-    for k, v in config.items():
-        if isinstance(v, ConfigDict):
-            out += _numbers(v, f"{prefix}{k}.")
-        elif isinstance(v, (int, float)) and not isinstance(v, bool):
-            out.append((f"{prefix}{k}", v))
-    return out
-
-
-def check_fields(config: ConfigDict) -> None:
-    """Refuse, naming the field: a number that is not finite, a count or size that is not
-    positive, a rate that is negative, a value outside its range (`RANGES`)."""
-    for name, value in _numbers(config):
-        if not math.isfinite(value):
-            raise ValueError(f"config.{name}={value!r}: must be a finite number")
-
-    def get(name):
-        value = config
-        for part in name.split("."):
-            value = value[part]
-        return value
-    for names, ok, what in ((POSITIVE, lambda v: v > 0, "> 0"), (NOT_NEGATIVE, lambda v: v >= 0, ">= 0")):
-        for name in names:
-            if not ok(get(name)):
-                raise ValueError(f"config.{name}={get(name)!r}: must be {what}")
-    for name, (low, high, lo_end, hi_end, why) in RANGES.items():
-        value = get(name)
-        if value is None:  # optional (rl.clip_eps_high): unset is allowed
-            continue
-        above = value > low if lo_end == "(" else value >= low
-        below = value < high if hi_end == ")" else value <= high
-        if not (above and below):
-            where = f">= {low}" if high == 1 << 30 else f"in {lo_end}{low}, {high}{hi_end}"
-            raise ValueError(f"config.{name}={value!r}: must be {where}" + (f" ({why})" if why else ""))
-
-
-def settings(config: ConfigDict) -> Settings:
-    """Every runtime dataclass of `config`, checked: counts, sizes and rates in range, unknown
-    protocol or reward names, a reward that cannot read the protocol's responses, SEM constants
-    under which a search is free."""
-    check_fields(config)
+def settings(config: Config) -> Settings:
+    """Every runtime dataclass of `config` (whose fields `sem_jax.settings.load` checked), checked
+    together: a reward that cannot read the protocol's responses, SEM constants under which a
+    search is free."""
     r = config.rollout
     protocol = get_protocol(config.protocol)
     reward = config.reward or protocol.reward
@@ -158,7 +88,7 @@ def settings(config: ConfigDict) -> Settings:
     if reward == "sem" and protocol.name != "sem":
         raise ValueError(f"reward='sem' reads SEM's first and final answers; protocol={protocol.name!r} gives one "
                          "answer (leave reward unset for the protocol's own)")
-    reward_params = RewardParams(**config.reward_params.to_dict())
+    reward_params = config.reward_params
     if reward == "sem":
         check_sem_params(reward_params)
     block, inserted = inserted_tokens(config)
@@ -175,7 +105,7 @@ def settings(config: ConfigDict) -> Settings:
                               max_block_tokens=block, max_note_tokens=NOTE_TOKENS),
         grpo=GRPOConfig(beta=config.rl.beta, clip_eps=config.rl.clip_eps, clip_eps_high=config.rl.clip_eps_high,
                         loss_agg=config.rl.loss_agg, dr_grpo_length=r.max_new_tokens),
-        optim=OptimConfig(total_steps=config.train.total_steps, **config.optim.to_dict()),
+        optim=OptimConfig(total_steps=config.train.total_steps, **dataclasses.asdict(config.optim)),
         reward=get_reward(reward),
         reward_params=reward_params,
     )
@@ -188,7 +118,7 @@ def stop_ids(tokenizer) -> tuple[int, ...]:
     return tuple(sorted({i for i in ids if isinstance(i, int) and i >= 0}))
 
 
-def micro_batch(config: ConfigDict, processes: int = 1) -> int:
+def micro_batch(config: Config, processes: int = 1) -> int:
     """Rows per gradient micro-batch: `rl.micro_batch`, at most one step's rows."""
     micro = min(config.rl.micro_batch, config.data.prompts_per_step * config.rollout.group_size)
     if micro % processes:
@@ -198,11 +128,11 @@ def micro_batch(config: ConfigDict, processes: int = 1) -> int:
 
 # -- objects -----------------------------------------------------------------------------
 
-def build_mesh(config: ConfigDict, devices: Sequence | None = None) -> Mesh:
+def build_mesh(config: Config, devices: Sequence | None = None) -> Mesh:
     return make_mesh(config.mesh.data, config.mesh.fsdp, config.mesh.tensor, devices=devices)
 
 
-def build_rollout_mesh(config: ConfigDict, mesh: Mesh) -> Mesh:
+def build_rollout_mesh(config: Config, mesh: Mesh) -> Mesh:
     """The sampler's mesh: `mesh` itself (rollout.tensor = 0) or its devices in tensor-parallel
     groups of rollout.tensor (`sharding.tensor_groups`; rollout.spread: the MLP and LM head over all of them)."""
     if config.rollout.spread and not config.rollout.tensor:
@@ -210,17 +140,53 @@ def build_rollout_mesh(config: ConfigDict, mesh: Mesh) -> Mesh:
     return tensor_groups(mesh, config.rollout.tensor, config.rollout.spread) if config.rollout.tensor else mesh
 
 
-def init_model_config(config: ConfigDict, tokenizer) -> Qwen2Config:
-    """The random-init architecture of `config.model.init` (vocabulary padded to 64)."""
+def init_model_config(config: Config, tokenizer=None) -> Qwen2Config:
+    """The random-init architecture of `config.model.init`, its vocabulary `tokenizer`'s (default:
+    the BPE's target size plus its 3 special tokens, as `train_bpe_tokenizer` makes it) padded to 64."""
     i = config.model.init
-    return Qwen2Config(vocab_size=-(-len(tokenizer) // 64) * 64, hidden_size=i.hidden_size,
+    vocab = len(tokenizer) if tokenizer is not None else i.tokenizer_vocab + 3
+    return Qwen2Config(vocab_size=-(-vocab // 64) * 64, hidden_size=i.hidden_size,
                        intermediate_size=i.intermediate_size, num_layers=i.num_layers, num_heads=i.num_heads,
                        num_kv_heads=i.num_kv_heads, rope_theta=i.rope_theta,
                        tie_word_embeddings=i.tie_word_embeddings, bos_token_id=None,
-                       eos_token_id=tokenizer.eos_token_id)
+                       eos_token_id=None if tokenizer is None else tokenizer.eos_token_id)
 
 
-def build_policy(config: ConfigDict, texts: Callable[[], list[str]] | None, run_dir: str,
+def model_config(config: Config) -> Qwen2Config:
+    """The architecture without loading weights: `model.preset`, else the HF directory's
+    config.json, else the random-init one."""
+    m = config.model
+    if m.preset:
+        return preset(m.preset)
+    if m.path and os.path.exists(os.path.join(m.path, "config.json")):
+        return read_config(m.path)
+    if m.path:
+        raise ValueError(f"model.path {m.path!r} is not a local directory: set model.preset for a compile-only check")
+    return init_model_config(config)
+
+
+def new_model(config: Config, model_config: Qwen2Config, param_dtype: Any, *, scan_unroll: int = 1,
+              seed: int = 0) -> Qwen2:
+    """A Qwen2 of `model_config` as the config sets it up (compute dtype, remat, kernels)."""
+    m = config.model
+    return Qwen2(model_config, rngs=nnx.Rngs(seed), param_dtype=jnp.dtype(param_dtype), dtype=jnp.dtype(m.compute_dtype),
+                 remat=m.remat, scan_unroll=scan_unroll, cache_kernel=m.kernels, attention_kernel=m.kernels,
+                 decode_kernel=m.kernels)
+
+
+def abstract_model(config: Config, model_config: Qwen2Config, mesh: Mesh, param_dtype: Any, scan_unroll: int = 1):
+    """The model as abstract arrays (no memory) in `param_dtype`, sharded over `mesh`: the
+    module, its graph definition and its parameters."""
+    model = nnx.eval_shape(lambda: new_model(config, model_config, param_dtype, scan_unroll=scan_unroll))
+    graphdef, state = nnx.split(model)
+    params = jax.tree.map(
+        lambda v: v.replace(jax.ShapeDtypeStruct(v.shape, v.dtype,
+                                                 sharding=named_sharding(mesh, v.get_metadata()["axes"], v.shape))),
+        state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+    return model, graphdef, params
+
+
+def build_policy(config: Config, texts: Callable[[], list[str]] | None, run_dir: str,
                  mesh: Mesh | None = None, resuming: bool = False) -> tuple[Qwen2, Any]:
     """The policy and its tokenizer: a local HF directory (weights streamed straight into their
     shardings on `mesh`), or (no path) a random tiny model with a small BPE trained on
@@ -246,13 +212,33 @@ def build_policy(config: ConfigDict, texts: Callable[[], list[str]] | None, run_
         tokenizer = train_bpe_tokenizer(texts(), m.init.tokenizer_vocab)
         if jax.process_index() == 0:
             tokenizer.save_pretrained(tok_dir)
-    model = Qwen2(init_model_config(config, tokenizer), rngs=nnx.Rngs(config.seed), param_dtype=dtype,
-                  dtype=compute, remat=m.remat, cache_kernel=m.kernels, attention_kernel=m.kernels,
-                  decode_kernel=m.kernels)
+    model = new_model(config, init_model_config(config, tokenizer), dtype, seed=config.seed)
     return model, tokenizer
 
 
-def build_retriever(config: ConfigDict):
+def load_policy(config: Config, checkpoint: str | None, step: int | None, hf: str | None,
+                mesh: Mesh | None = None) -> tuple[Qwen2, Any]:
+    """(model, tokenizer) to evaluate: a HF directory `hf`, or a sem_jax checkpoint's parameters
+    alone (`step`, default the latest), in `model.eval_dtype` (default `model.dtype`) and, with
+    `mesh`, sharded as in training."""
+    dtype = jnp.dtype(config.model.evaluated_dtype)
+    if hf:
+        return from_pretrained(hf, dtype=dtype, compute_dtype=jnp.dtype(config.model.compute_dtype), mesh=mesh,
+                               kernels=config.model.kernels), load_tokenizer(hf)
+    if not checkpoint:
+        raise Refused("give --checkpoint RUN/ckpt or --hf DIR")
+    ckpt = Checkpointer(checkpoint, read_only=True)
+    model, tokenizer = build_policy(config, None, checkpoint_run_dir(checkpoint), mesh=mesh)
+    _, params = nnx.split(model)
+    params, got = ckpt.restore_params(step, params)
+    # Restored as trained (the checkpoint's dtype), then cast: the sharding stays.
+    nnx.update(model, jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, params))
+    if jax.process_index() == 0:
+        print(f"restored parameters of step {got} from {checkpoint} ({dtype.name})", flush=True)
+    return model, tokenizer
+
+
+def build_retriever(config: Config):
     from sem_jax.retrieval import Retriever  # imports bm25s: only after the distributed runtime starts
     r = config.retrieval
     if r.index_dir:
@@ -260,7 +246,7 @@ def build_retriever(config: ConfigDict):
     return Retriever.from_jsonl(r.corpus, show_progress=False, threads=r.threads)
 
 
-def build_sampler(model: Qwen2, tokenizer, sampling: SamplingConfig, config: ConfigDict, protocol: Protocol, *,
+def build_sampler(model: Qwen2, tokenizer, sampling: SamplingConfig, config: Config, protocol: Protocol, *,
                   mesh: Mesh | None = None, calls: CallLog | None = None) -> Sampler:
     t, kv = config.rollout.tensor, model.config.num_kv_heads
     if t and kv % t:
@@ -276,7 +262,7 @@ def build_sampler(model: Qwen2, tokenizer, sampling: SamplingConfig, config: Con
                    max_prompt_tokens=config.data.max_prompt_tokens)
 
 
-def check_positions(config: ConfigDict, s: Settings, model_config: Qwen2Config) -> None:
+def check_positions(config: Config, s: Settings, model_config: Qwen2Config) -> None:
     """The longest sequence a rollout can build must fit the model's positions (RoPE beyond them
     is untrained): refused at start, with the sum."""
     longest = config.data.max_prompt_tokens + s.sampling.max_new_tokens + s.sampling.max_inserted_tokens
@@ -304,76 +290,124 @@ def cap_prompts(examples: Sequence[Example], protocol: Protocol, system_prompt: 
     return keep
 
 
-def build_trainer(config: ConfigDict, model: Qwen2, s: Settings, mesh: Mesh, *, processes: int = 1,
-                  per_layer: bool | None = None, unroll_head: int = 1) -> GRPOTrainer:
-    return GRPOTrainer(model, s.grpo, s.optim, micro_batch=micro_batch(config, processes),
+def build_trainer(config: Config, model: Qwen2, s: Settings, mesh: Mesh, *, processes: int = 1,
+                  per_layer: bool | None = None, unroll_head: int = 1) -> Trainer:
+    return Trainer(model, s.grpo, s.optim, micro_batch=micro_batch(config, processes),
                        logprob_chunk=config.rl.logprob_chunk, per_layer=per_layer,
                        group_size=config.rollout.group_size, shards=batch_shards(mesh), unroll_head=unroll_head)
 
 
-# -- a training run ------------------------------------------------------------------------
+# -- a run, built once for its purpose -----------------------------------------------------------
+
+PURPOSES = ("train", "evaluate", "warm_start", "compile")
+
 
 @dataclasses.dataclass
 class Run:
-    """Everything a training run holds besides its arrays (those live in `train.TrainState`)."""
-    config: ConfigDict
+    """What an entry point runs with besides its arrays (training's live in `train.TrainState`),
+    built by `build` for one purpose; a part the purpose does not use is None."""
+    purpose: str
+    config: Config
     run_dir: str
-    settings: Settings
-    mesh: Mesh
-    model: Qwen2
-    tokenizer: Any
-    retriever: Any
-    sampler: Sampler                # training rollouts
-    greedy: Sampler                 # evaluation
-    trainer: GRPOTrainer
-    calls: CallLog
-    train_set: list[Example]
-    eval_set: list[Example]         # this process's share of the held-out questions
-    per_host: int                   # questions each process rolls out per step
-    row_multiple: int               # each process's rows pad to a multiple of this
-    pad_id: int
+    settings: Settings               # with the tokenizer's stop ids once there is one
+    mesh: Mesh                       # training's (evaluate: the sampler's, where the weights load)
+    rollout_mesh: Mesh               # the sampler's (`rollout.tensor`)
+    model_config: Qwen2Config
+    model: Qwen2 | None = None       # compile: abstract (no memory)
+    params: Any = None               # compile: the model's abstract parameters on `mesh`
+    tokenizer: Any = None
+    retriever: Any = None
+    sampler: Sampler | None = None   # training rollouts (train)
+    greedy: Sampler | None = None    # greedy evaluation (train, evaluate, warm_start with sft.eval)
+    trainer: Trainer | None = None  # train; compile: the layer scan's, as on the TPU
+    calls: CallLog | None = None
+    train_set: list[Example] = dataclasses.field(default_factory=list)
+    eval_set: list[Example] = dataclasses.field(default_factory=list)  # this process's share
+    eval_total: int = 0              # held-out questions over every process
+    per_host: int = 0                # questions each process rolls out per step
+    eval_batch: int = 0              # rows each process evaluates at a time (greedy, one per question)
+    row_multiple: int = 1            # each process's training rows pad to a multiple of this
+    pad_id: int = 0
+
+    def cap(self, examples: Sequence[Example], where: str) -> list[Example]:
+        """`examples` whose prompt fits data.max_prompt_tokens (`cap_prompts`)."""
+        return cap_prompts(examples, self.settings.protocol, self.settings.system_prompt, self.tokenizer,
+                           self.config.data.max_prompt_tokens, where)
 
 
-def build_run(config: ConfigDict, resuming: bool = False) -> Run:
-    """The mesh, data, retriever, policy, samplers and trainer of a training run (`resuming`: its
-    run_dir holds checkpoints, so nothing they depend on is built anew)."""
-    pid, nproc = jax.process_index(), jax.process_count()
-    # Each process rolls out its own share of every step's questions (hosts.py).
-    if config.data.prompts_per_step % nproc:
-        raise ValueError(f"data.prompts_per_step={config.data.prompts_per_step} must divide by the "
-                         f"{nproc} processes")
+def build(config: Config, purpose: str, *, devices: Sequence | None = None, resuming: bool = False,
+          checkpoint: str | None = None, step: int | None = None, hf: str | None = None) -> Run:
+    """The one assembly of a run for `purpose`, which every entry point calls:
+
+    - "train": mesh, data, retriever, policy (`resuming`: nothing a checkpoint depends on built
+      anew), training and greedy samplers, trainer (`sem_jax.train`);
+    - "evaluate": the policy from `checkpoint` (at `step`) or the HF directory `hf`, loaded in the
+      sampler's layout, the greedy sampler and the retriever (`sem_jax.evaluate`);
+    - "warm_start": the pretrained policy, the training questions, the retriever and, with
+      sft.eval, the held-out share and the greedy sampler (`sem_jax.sft`);
+    - "compile": for `devices` (a TPU topology's, say), the abstract model and trainer at the
+      config's shapes, no data or weights (`sem_jax.aot`, `sem_jax.roofline`).
+    """
+    if purpose not in PURPOSES:
+        raise ValueError(f"purpose={purpose!r}; choose one of {PURPOSES}")
+    nproc = 1 if purpose == "compile" else jax.process_count()
+    if purpose == "train" and config.data.prompts_per_step % nproc:  # each process rolls out its share of a step
+        raise ValueError(f"data.prompts_per_step={config.data.prompts_per_step} must divide by the {nproc} processes")
     s = settings(config)
-    run_dir = os.path.abspath(config.run_dir)
-    mesh = build_mesh(config)
+    mesh = build_mesh(config, devices)
     rollout_mesh = build_rollout_mesh(config, mesh)
-    train_set = load_questions(config.data.train_file)
-    eval_all = load_questions(config.data.eval_file)
-    retriever = build_retriever(config)
-    # Text for a random-init model's BPE (only read when no model.path is given).
-    texts = lambda: [s.system_prompt] + [e.question + " " + " ".join(e.answers)
-                                              for e in train_set + eval_all[:config.data.eval_questions]] + \
-        [f"{d['title']} {d['text']}" for d in retriever.passages()]
-    model, tokenizer = build_policy(config, texts, run_dir, mesh, resuming=resuming)
-    check_positions(config, s, model.config)
-    s = s.with_eos(tokenizer)
-    cap = lambda xs, where: cap_prompts(xs, s.protocol, s.system_prompt, tokenizer, config.data.max_prompt_tokens,
-                                        where)
-    train_set = cap(train_set, config.data.train_file)
-    if not train_set:
-        raise ValueError(f"{config.data.train_file}: no question's prompt fits data.max_prompt_tokens")
-    eval_all = cap(eval_all, config.data.eval_file)[:config.data.eval_questions]
-    eval_set = process_share(eval_all, pid, nproc)  # each process evaluates its share
-    if not eval_set:
-        raise ValueError(f"{nproc} processes need at least as many eval questions (data.eval_questions)")
-    calls = CallLog(config.train.debug_hosts)
-    trainer = build_trainer(config, model, s, mesh, processes=nproc)
-    # Each process pads its rows so that the global batch splits into micro-batches and over the
-    # batch shards, and its groups stay whole runs of the trainer's shared prompts.
-    row_multiple = int(np.lcm.reduce([trainer.micro_batch // nproc, local_batch_multiple(mesh), trainer.share]))
-    return Run(config=config, run_dir=run_dir, settings=s, mesh=mesh, model=model, tokenizer=tokenizer,
-               retriever=retriever,
-               sampler=build_sampler(model, tokenizer, s.sampling, config, s.protocol, mesh=rollout_mesh, calls=calls),
-               greedy=build_sampler(model, tokenizer, s.greedy, config, s.protocol, mesh=rollout_mesh, calls=calls),
-               trainer=trainer, calls=calls, train_set=train_set, eval_set=eval_set,
-               per_host=config.data.prompts_per_step // nproc, row_multiple=row_multiple,
-               pad_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0)
+    per_host = max(1, config.data.prompts_per_step // nproc)
+    run = Run(purpose=purpose, config=config, run_dir=os.path.abspath(config.run_dir), settings=s, mesh=mesh,
+              rollout_mesh=rollout_mesh, model_config=None, per_host=per_host,
+              eval_batch=per_host * config.rollout.group_size)
+    if purpose == "compile":
+        run.model_config = model_config(config)
+        run.model, _, run.params = abstract_model(config, run.model_config, mesh, config.model.dtype)
+        run.trainer = build_trainer(config, run.model, s, mesh, per_layer=False)  # the layer scan, as on the TPU
+        return run
+    if purpose == "evaluate":
+        run.mesh = rollout_mesh  # nothing trains: the weights load in the sampler's layout
+        run.model, run.tokenizer = load_policy(config, checkpoint, step, hf, rollout_mesh)
+    elif purpose == "warm_start":
+        if not config.model.path:
+            raise ValueError("sem_jax.sft warm-starts a pretrained model: set --config.model.path (the demo's "
+                             "random-init model has its own warm start, `make demo`)")
+        run.model, run.tokenizer = build_policy(config, None, run.run_dir, mesh)
+    run.retriever = build_retriever(config)
+    evaluates = purpose == "train" or (purpose == "warm_start" and config.sft.eval)  # held-out share, greedy
+    # sem_jax.evaluate reads its own data sets (`Run.cap` caps them).
+    run.train_set = load_questions(config.data.train_file) if purpose != "evaluate" else []
+    eval_all = load_questions(config.data.eval_file) if evaluates else []
+    if purpose == "train":
+        # Text for a random-init model's BPE (only read when no model.path is given).
+        texts = lambda: [s.system_prompt] + [e.question + " " + " ".join(e.answers)
+                                              for e in run.train_set + eval_all[:config.data.eval_questions]] + \
+            [f"{d['title']} {d['text']}" for d in run.retriever.passages()]
+        run.model, run.tokenizer = build_policy(config, texts, run.run_dir, mesh, resuming=resuming)
+    run.model_config = run.model.config
+    check_positions(config, s, run.model_config)
+    run.settings = s = s.with_eos(run.tokenizer)
+    run.pad_id = run.tokenizer.pad_token_id if run.tokenizer.pad_token_id is not None else 0
+    if run.train_set:
+        run.train_set = run.cap(run.train_set, config.data.train_file)
+        if not run.train_set:
+            raise ValueError(f"{config.data.train_file}: no question's prompt fits data.max_prompt_tokens")
+    if evaluates:
+        eval_all = run.cap(eval_all, config.data.eval_file)[:config.data.eval_questions]
+        run.eval_total = len(eval_all)
+        run.eval_set = process_share(eval_all, jax.process_index(), nproc)  # each process evaluates its share
+        if not run.eval_set:
+            raise ValueError(f"{nproc} processes need at least as many eval questions (data.eval_questions)")
+    run.calls = CallLog(config.train.debug_hosts)
+    if evaluates or purpose == "evaluate":
+        run.greedy = build_sampler(run.model, run.tokenizer, s.greedy, config, s.protocol, mesh=rollout_mesh,
+                                   calls=run.calls if purpose == "train" else None)
+    if purpose == "train":
+        run.sampler = build_sampler(run.model, run.tokenizer, s.sampling, config, s.protocol, mesh=rollout_mesh,
+                                    calls=run.calls)
+        run.trainer = build_trainer(config, run.model, s, mesh, processes=nproc)
+        # Each process pads its rows so that the global batch splits into micro-batches and over the
+        # batch shards, and its groups stay whole runs of the trainer's shared prompts.
+        run.row_multiple = int(np.lcm.reduce([run.trainer.micro_batch // nproc, local_batch_multiple(mesh),
+                                              run.trainer.share]))
+    return run

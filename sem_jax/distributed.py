@@ -7,7 +7,8 @@ import glob
 import os
 
 import jax
-from ml_collections import ConfigDict
+
+from sem_jax.settings import Distributed
 
 
 _started = False  # whether this process started the distributed runtime (`initialize`)
@@ -24,7 +25,7 @@ def on_tpu_vm() -> bool:
     return bool(glob.glob("/dev/accel*") or glob.glob("/dev/vfio/[0-9]*"))
 
 
-def initialize(cfg: ConfigDict) -> None:
+def initialize(cfg: Distributed) -> None:
     """`distributed.mode`: "auto" (initialise on a TPU VM, or when a coordinator is given),
     "on" or "off". A coordinator (GPU / CPU clusters) comes from the config or from
     JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID."""

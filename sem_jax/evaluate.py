@@ -19,21 +19,23 @@ from collections import Counter
 from collections.abc import Sequence
 
 import jax
-import jax.numpy as jnp
 from absl import app, flags
 from absl import logging as absl_logging
-from flax import nnx
-from ml_collections import ConfigDict, config_flags
+from ml_collections import config_flags
 
+from sem_jax.assemble import build
 from sem_jax.checkpoint import checkpoint_run_dir
-from sem_jax.config import eval_dtype, parse_flags
+from sem_jax.config import parse_flags
 from sem_jax.data.example import Example
 from sem_jax.data.mix import stratified_sample
+from sem_jax.data.questions import load_questions
+from sem_jax.data.sources import load_source
 from sem_jax.distributed import initialize as initialize_distributed
 from sem_jax.errors import exit_on_error
-from sem_jax.eval_lib import MODES, aggregate, all_records, run_mode
+from sem_jax.policy_eval import MODES, aggregate, all_records, run_mode
 from sem_jax.protocol import SEM, Protocol
 from sem_jax.sampling import RolloutConfig
+from sem_jax.settings import from_json, load
 
 def results_table(results: dict[str, dict[str, dict[str, float]]], datasets: Sequence[str]) -> str:
     """Markdown: one row per mode, EM / F1 / SR (%) per data set, as the paper's tables."""
@@ -130,33 +132,6 @@ FLAGS = flags.FLAGS
 EVAL_SPLITS = {"mmlu": "test", "gsm8k": "test"}  # the others: validation (MuSiQue and HotpotQA dev)
 
 
-def load_policy(config, checkpoint: str | None, step: int | None, hf: str | None, mesh=None):
-    """(model, tokenizer) from a HF directory or from a sem_jax checkpoint (params only), its
-    parameters in `model.eval_dtype` (default `model.dtype`) and, with `mesh`, sharded as in
-    training."""
-    from sem_jax.assemble import build_policy
-    from sem_jax.checkpoint import Checkpointer
-    from sem_jax.model import from_pretrained
-    from sem_jax.model.tokenizer import load_tokenizer
-
-    dtype = jnp.dtype(eval_dtype(config))
-    if hf:
-        return from_pretrained(hf, dtype=dtype, compute_dtype=jnp.dtype(config.model.compute_dtype), mesh=mesh,
-                               kernels=config.model.kernels), \
-            load_tokenizer(hf)
-    if not checkpoint:
-        raise app.UsageError("give --checkpoint RUN/ckpt or --hf DIR")
-    ckpt = Checkpointer(checkpoint, read_only=True)
-    model, tokenizer = build_policy(config, None, checkpoint_run_dir(checkpoint), mesh=mesh)
-    _, params = nnx.split(model)
-    params, got = ckpt.restore_params(step, params)
-    # Restored as trained (the checkpoint's dtype), then cast: the sharding stays.
-    nnx.update(model, jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, params))
-    if jax.process_index() == 0:
-        print(f"restored parameters of step {got} from {checkpoint} ({dtype.name})", flush=True)
-    return model, tokenizer
-
-
 def run_config(checkpoint: str):
     """The config a run was trained with (`sem_jax.train` writes run_dir/config.json)."""
     if not os.path.isdir(checkpoint):
@@ -164,14 +139,7 @@ def run_config(checkpoint: str):
     path = os.path.join(checkpoint_run_dir(checkpoint), "config.json")
     if not os.path.exists(path):
         raise app.UsageError(f"{path}: not found; give --config (the model, retrieval and rollout settings)")
-    from sem_jax.config import base_config
-
-    def merge(base: dict, run: dict) -> dict:  # fields newer than the run keep their defaults
-        for k, v in run.items():
-            base[k] = merge(base[k], v) if isinstance(v, dict) and isinstance(base.get(k), dict) else v
-        return base
-    with open(path) as fh:
-        return ConfigDict(merge(base_config().to_dict(), json.load(fh)))
+    return from_json(path)
 
 
 def parse_modes(text: str) -> list[str]:
@@ -217,32 +185,23 @@ def main(argv):
         raise app.UsageError(f"--limit={FLAGS.limit}: give at least 1 question per data set (or leave it out: all)")
     modes = parse_modes(FLAGS.modes)
     sources = parse_data(FLAGS.data) if FLAGS.data else None
-    config = _CONFIG.value
-    if config is None and FLAGS.checkpoint:
+    if _CONFIG.value is not None:
+        config = load(_CONFIG.value)
+    elif FLAGS.checkpoint:
         config = run_config(FLAGS.checkpoint)
-    if config is None:
+    else:
         raise app.UsageError("--config is required (the model, retrieval and rollout settings)")
     if FLAGS.dtype:
-        config.model.eval_dtype = FLAGS.dtype
+        config = config.replace(**{"model.eval_dtype": FLAGS.dtype})
     initialize_distributed(config.distributed)  # first: before anything starts a backend
-    from sem_jax.assemble import (build_mesh, build_retriever, build_rollout_mesh, build_sampler, cap_prompts,
-                                  check_positions, settings)
-    from sem_jax.data.questions import load_questions
-    from sem_jax.data.sources import load_source
-
-    s = settings(config)
-    mesh = build_rollout_mesh(config, build_mesh(config))  # nothing trains: the weights load in the sampler's layout
-    model, tokenizer = load_policy(config, FLAGS.checkpoint, FLAGS.step, FLAGS.hf, mesh)
-    check_positions(config, s, model.config)
+    run = build(config, "evaluate", checkpoint=FLAGS.checkpoint, step=FLAGS.step, hf=FLAGS.hf)
     if sources:  # every process reads every data set and draws the same sample
         # The split each data set is evaluated on (a local file is read whole).
         data = {name: load_source(name, path, split=EVAL_SPLITS.get(name, "validation"))
                 for name, path in sources.items()}
     else:
         data = {"eval": load_questions(config.data.eval_file)}
-    s = s.with_eos(tokenizer)
-    data = {name: cap_prompts(examples, s.protocol, s.system_prompt, tokenizer, config.data.max_prompt_tokens, name)
-            for name, examples in data.items()}
+    data = {name: run.cap(examples, name) for name, examples in data.items()}
     out = output_dir(FLAGS.out, FLAGS.checkpoint, config)
     writer = jax.process_index() == 0
     if writer:
@@ -250,11 +209,10 @@ def main(argv):
     if FLAGS.limit:
         data = {name: write_sample(out if writer else None, name, examples, FLAGS.limit, FLAGS.seed)
                 for name, examples in data.items()}
-    sampler = build_sampler(model, tokenizer, s.greedy, config, s.protocol, mesh=mesh)
-    rows = config.data.prompts_per_step * config.rollout.group_size // jax.process_count()
-    results = evaluate_modes(sampler, tokenizer, build_retriever(config), data, modes, s.rollout,
-                             batch_size=max(rows, 1), out_dir=out if writer else None,
-                             system_prompt=s.system_prompt, protocol=s.protocol, mesh=mesh)
+    s = run.settings
+    results = evaluate_modes(run.greedy, run.tokenizer, run.retriever, data, modes, s.rollout,
+                             batch_size=run.eval_batch, out_dir=out if writer else None,
+                             system_prompt=s.system_prompt, protocol=s.protocol, mesh=run.mesh)
     if writer:
         print(results_table(results, list(data)))
         print(f"wrote {out}/results.md, results.json and per-question predictions")

@@ -22,7 +22,6 @@ import jax.numpy as jnp
 from absl import app, flags
 from absl import logging as absl_logging
 from flax import nnx
-from ml_collections import ConfigDict
 
 from sem_jax.checkpoint import Checkpointer, checkpoint_run_dir
 from sem_jax.errors import Refused, exit_on_error
@@ -30,6 +29,7 @@ from sem_jax.assemble import init_model_config
 from sem_jax.model import Qwen2, save_pretrained
 from sem_jax.model.hf_io import read_config
 from sem_jax.model.tokenizer import load_tokenizer, save_tokenizer
+from sem_jax.settings import Config, from_json
 
 
 def define_flags():
@@ -45,13 +45,12 @@ def define_flags():
 FLAGS = flags.FLAGS
 
 
-def run_config(checkpoint: str) -> tuple[ConfigDict, str]:
+def run_config(checkpoint: str) -> tuple[Config, str]:
     run_dir = checkpoint_run_dir(checkpoint)
     path = os.path.join(run_dir, "config.json")
     if not os.path.exists(path):
         raise FileNotFoundError(f"{path}: not found; export reads the run's resolved config beside ckpt/")
-    with open(path) as fh:
-        return ConfigDict(json.load(fh)), run_dir
+    return from_json(path), run_dir
 
 
 def _within(path: str, parent: str) -> bool:

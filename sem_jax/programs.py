@@ -1,49 +1,31 @@
-"""A config's model and a step's calls as abstract programs (no memory): the architecture, the
-model as sharded ShapeDtypeStructs, the target's devices and HBM, the per-device bytes of placed
-trees, and what XLA counts for a compiled program. The fit check (`aot`), the roofline and the
-measured runs (`measure`) all start here.
+"""A step's calls as abstract programs (no memory): the target's devices and HBM, the sampler's
+per-layer copies, the per-device bytes of placed trees, and what XLA counts for a compiled
+program (the abstract model itself is `sem_jax.assemble.abstract_model`, built for a compile-only
+run by `assemble.build`). The fit check (`aot`), the roofline and the measured runs (`measure`)
+start here.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-import os
 from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
-from flax import nnx
-from ml_collections import ConfigDict
 
 from sem_jax.collectives import ici_bytes
 from sem_jax.kernels import flash_attention
-from sem_jax.model import Qwen2, Qwen2Config
-from sem_jax.model.hf_io import read_config
-from sem_jax.model.presets import preset
 from sem_jax.kernels.dispatch import per_layer_default
 from sem_jax.sampling.sampler import layer_list
-from sem_jax.sharding import batch_sharding, named_sharding
+from sem_jax.settings import Config
+from sem_jax.sharding import batch_sharding
 
 # HBM per device as the TPU compiler sees a compile-only topology device: one TensorCore.
 # (v4 and v5p chips hold two TensorCores; in megacore mode a chip is one device with twice
 # this, so the check is conservative there.)
 HBM_GIB = {"TPU v4": 16.0, "TPU v5 lite": 16.0, "TPU v5": 47.5, "TPU v6 lite": 32.0}
-
-
-def model_config(config: ConfigDict) -> Qwen2Config:
-    m = config.model
-    if m.preset:
-        return preset(m.preset)
-    if m.path and os.path.exists(os.path.join(m.path, "config.json")):
-        return read_config(m.path)
-    if m.path:
-        raise ValueError(f"model.path {m.path!r} is not a local directory: set model.preset for a compile-only check")
-    i = m.init  # random-init demo model; the vocabulary is the BPE size plus 3 specials, padded
-    return Qwen2Config(vocab_size=-(-(i.tokenizer_vocab + 3) // 64) * 64, hidden_size=i.hidden_size,
-                       intermediate_size=i.intermediate_size, num_layers=i.num_layers, num_heads=i.num_heads,
-                       num_kv_heads=i.num_kv_heads, rope_theta=i.rope_theta, tie_word_embeddings=i.tie_word_embeddings)
 
 
 def target_devices(topology: str | None) -> list:
@@ -74,21 +56,6 @@ def narrower(a, b) -> jnp.dtype:
     return b if b.itemsize < a.itemsize else a
 
 
-def abstract_model(config: ConfigDict, mcfg: Qwen2Config, mesh, param_dtype, scan_unroll: int = 1):
-    """The model as abstract arrays (no memory) in `param_dtype`, sharded over `mesh`: the
-    module, its graph definition and its parameters."""
-    model = nnx.eval_shape(lambda: Qwen2(mcfg, rngs=nnx.Rngs(0), param_dtype=jnp.dtype(param_dtype),
-                                         dtype=jnp.dtype(config.model.compute_dtype), remat=config.model.remat,
-                                         scan_unroll=scan_unroll, cache_kernel=config.model.kernels,
-                                         attention_kernel=config.model.kernels, decode_kernel=config.model.kernels))
-    graphdef, state = nnx.split(model)
-    params = jax.tree.map(
-        lambda v: v.replace(jax.ShapeDtypeStruct(v.shape, v.dtype,
-                                                 sharding=named_sharding(mesh, v.get_metadata()["axes"], v.shape))),
-        state, is_leaf=lambda x: isinstance(x, nnx.Variable))
-    return model, graphdef, params
-
-
 def sampler_layers(graphdef, params, platform: str):
     """The per-layer weights a sampler on `platform` holds beside `params` (`Sampler.per_layer`),
     abstract and placed as `sem_jax.sampling.sampler.layer_list` places them; None where it runs
@@ -109,7 +76,7 @@ def device_bytes(tree) -> int:
     return sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(tree))
 
 
-def trainer_bytes(params, opt, config: ConfigDict) -> int:
+def trainer_bytes(params, opt, config: Config) -> int:
     """What the trainer holds per device between its calls (beside the rollout): the parameters,
     the optimizer state and, with rl.beta > 0, the reference weights in the compute dtype."""
     ref = 0

@@ -52,16 +52,18 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from ml_collections import ConfigDict
 
-from sem_jax.assemble import build_mesh, build_rollout_mesh, build_trainer, inserted_tokens, micro_batch, settings
+from sem_jax.assemble import abstract_model, build, build_trainer, inserted_tokens, micro_batch
 from sem_jax.hosts import batch_shards
-from sem_jax.programs import (Filled, Program, abstract_model, cost, device_bytes, narrower, rows_on, sampler_layers,
+from sem_jax.programs import (Filled, Program, cost, device_bytes, narrower, placed, rows_on, sampler_layers,
                               trainer_bytes)
 from sem_jax.model import Qwen2Config, param_shapes
 from sem_jax.rl.loss import head_chunk
+from sem_jax.rl.batch import widest_batch
 from sem_jax.rl.trainer import LOGPROB_KEYS
 from sem_jax.sampling.sampler import bucket_length, decode_loop, decode_step, insert_step, prefill_step
+from sem_jax.sampling.stop import trie_states
+from sem_jax.settings import Config
 from sem_jax.sharding import match_param_shardings
 
 
@@ -230,20 +232,19 @@ def recomputed(parts: tuple[float, float, float], remat: str) -> float:
 MEASURED_STEPS = 32
 
 
-def analyse(config: ConfigDict, devices: list, mcfg: Qwen2Config) -> tuple[list[Call], dict, dict[str, Program]]:
+def analyse(config: Config, devices: list) -> tuple[list[Call], dict, dict[str, Program]]:
     """Compile every call of a step for `devices` (see the module docstring). Returns the calls,
     the step's shapes, and each call's program as the step runs it (`sem_jax.measure`)."""
+    run = build(config, "compile", devices=devices)
+    mesh, rollout_mesh, s, mcfg = run.mesh, run.rollout_mesh, run.settings, run.model_config
     if mcfg.num_layers < 2:
         raise ValueError("the roofline counts one layer as the difference of two compiles: it needs >= 2 layers")
     n = len(devices)
-    mesh = build_mesh(config, devices)
-    rollout_mesh = build_rollout_mesh(config, mesh)
-    s = settings(config)
     dtype, compute = jnp.dtype(config.model.dtype), jnp.dtype(config.model.compute_dtype)
     item = compute.itemsize
     # Training in model.dtype; the sampler's weights cast to the compute dtype (compute_weights).
     L = mcfg.num_layers
-    trained = {u: abstract_model(config, mcfg, mesh, dtype, scan_unroll=u) for u in (1, 2)}
+    trained = {1: (run.model, None, run.params), 2: abstract_model(config, mcfg, mesh, dtype, scan_unroll=2)}
     # The sampler's layer scan rolled (the program that runs: memory) and unrolled whole (counted).
     sampled = {u: abstract_model(config, mcfg, rollout_mesh, narrower(dtype, compute), scan_unroll=u) for u in (1, L)}
     models, params = {u: m[0] for u, m in trained.items()}, trained[1][2]
@@ -280,8 +281,7 @@ def analyse(config: ConfigDict, devices: list, mcfg: Qwen2Config) -> tuple[list[
             jax.eval_shape(lambda *a: prefill_step(graphs[1], *a, **static), sampler_params, None, prompts, lengths,
                            key),
             prefill.output_shardings)
-        states = sum(len(x.encode()) for x in s.protocol.stop_strings) + 1
-        table = jax.ShapeDtypeStruct((mcfg.vocab_size, states), jnp.int32)
+        table = jax.ShapeDtypeStruct((mcfg.vocab_size, trie_states(s.protocol.stop_strings)), jnp.int32)
         eos = jax.ShapeDtypeStruct((2,), jnp.int32)
         decode = decode_steps.lower(graphs[1], sampler_params, sampler_state, table, eos, cfg=s.sampling,
                                     window=window, steps=1).compile()
@@ -319,18 +319,15 @@ def analyse(config: ConfigDict, devices: list, mcfg: Qwen2Config) -> tuple[list[
 
     arr = rows_on(mesh)
     with jax.set_mesh(mesh):
-        trainers = {(u, h): build_trainer(config, models[u], s, mesh, per_layer=False, unroll_head=h)
-                    for u, h in ((1, 1), (2, 1), (1, 2))}
+        trainers = {(1, 1): run.trainer, **{(u, h): build_trainer(config, models[u], s, mesh, per_layer=False,
+                                                                  unroll_head=h) for u, h in ((2, 1), (1, 2))}}
         share = trainers[1, 1].share
         opt_shapes = jax.eval_shape(trainers[1, 1].tx.init, params)
-        opt = jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), opt_shapes,
-                           match_param_shardings(opt_shapes, params, mesh))
-        t = bucket_length(config.data.max_prompt_tokens + resp - 1, 32)
-        w = bucket_length(resp, 32)
+        opt = placed(opt_shapes, match_param_shardings(opt_shapes, params, mesh))
+        batch = {k: arr(shape, dt) for k, (shape, dt) in
+                 widest_batch(micro, config.data.max_prompt_tokens, resp).items()}
+        t, w = batch["inputs"].shape[1], batch["targets"].shape[1]
         loops = {"layers": L, "head": w // head_chunk(w, config.rl.logprob_chunk)}
-        batch = {"inputs": arr((micro, t), jnp.int32), "start": arr((micro,), jnp.int32),
-                 "targets": arr((micro, w), jnp.int32), "mask": arr((micro, w), jnp.float32),
-                 "advantages": arr((micro,), jnp.float32), "sampler_logprobs": arr((micro, w), jnp.float32)}
         parts = training_parts(mcfg, micro, t, w, share)
         start = Filled(batch["start"], t - w)  # each row's response window ends its inputs
         fwd = sum(parts)

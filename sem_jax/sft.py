@@ -7,7 +7,7 @@ An instruct model that seldom writes SEM's format gives GRPO groups whose reward
 signal). This stage trains it on traces built from the config's training questions
 (`sem_jax.traces`, `config.sft`): cross-entropy on the model's own tokens only; the inserted
 result blocks are context without loss, exactly as in GRPO. It runs the training update itself
-(`GRPOTrainer(objective="nll")`) on the config's mesh, evaluates the held-out questions before
+(`Trainer(objective="nll")`) on the config's mesh, evaluates the held-out questions before
 and after, and writes a Hugging Face directory (with `sem_jax_sft.json`, its report) whole or
 not at all.
 """
@@ -15,6 +15,7 @@ not at all.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import time
 from collections.abc import Sequence
@@ -27,15 +28,20 @@ from absl import app, flags
 from absl import logging as absl_logging
 from flax import nnx
 from jax.sharding import Mesh
-from ml_collections import ConfigDict, config_flags
+from ml_collections import config_flags
 
+from sem_jax.assemble import build
 from sem_jax.config import parse_flags
-from sem_jax.eval_lib import policy_scores, top_reasons
+from sem_jax.distributed import initialize as initialize_distributed
+from sem_jax.errors import exit_on_error
+from sem_jax.policy_eval import policy_scores, top_reasons
+from sem_jax.export import check_out_dir, write_hf_dir
 from sem_jax.model.qwen2 import Qwen2
 from sem_jax.rl.loss import GRPOConfig
-from sem_jax.rl.trainer import GRPOTrainer, OptimConfig
+from sem_jax.rl.trainer import Trainer, OptimConfig
 from sem_jax.sampling.sampler import bucket_length
-from sem_jax.traces import Pair
+from sem_jax.settings import Config, load
+from sem_jax.traces import Pair, build_traces
 
 
 def pack(pairs: Sequence[Pair], width: int, pad_id: int = 0) -> dict[str, np.ndarray]:
@@ -127,7 +133,7 @@ def supervised_finetune(model: Qwen2, pairs: Sequence[Pair], *, steps: int, lr: 
     _, params = nnx.split(model)
     optim = OptimConfig(lr=lr, weight_decay=weight_decay, grad_clip=grad_clip, warmup_steps=max(1, steps // 10),
                         schedule="cosine", total_steps=steps)
-    trainer = GRPOTrainer(model, GRPOConfig(beta=0.0), optim, micro_batch=micro_batch or rows, logprob_chunk=chunk,
+    trainer = Trainer(model, GRPOConfig(beta=0.0), optim, micro_batch=micro_batch or rows, logprob_chunk=chunk,
                           per_layer=per_layer, objective="nll")
     if rows % trainer.micro_batch:
         raise ValueError(f"{rows} rows per step do not split into micro-batches of {trainer.micro_batch}")
@@ -165,61 +171,38 @@ def supervised_finetune(model: Qwen2, pairs: Sequence[Pair], *, steps: int, lr: 
 
 # -- the command line's stage ---------------------------------------------------------------
 
-def finetune(config: ConfigDict, out: str, *, overwrite: bool = False, dtype: str | None = None) -> dict[str, Any]:
+def finetune(config: Config, out: str, *, overwrite: bool = False, dtype: str | None = None) -> dict[str, Any]:
     """The warm start as `config.sft` says, from `config.model.path` to the HF directory `out`;
     returns the report written there (`sem_jax_sft.json`)."""
-    from sem_jax.assemble import (build_mesh, build_policy, build_retriever, build_sampler, cap_prompts,
-                                  check_positions, settings)
-    from sem_jax.data.mix import process_share
-    from sem_jax.data.questions import load_questions
-    from sem_jax.export import check_out_dir, write_hf_dir
-    from sem_jax.traces import build_traces
-
     f = config.sft
-    s = settings(config)
     if not config.model.path:
         raise ValueError("sem_jax.sft warm-starts a pretrained model: set --config.model.path (the demo's "
                          "random-init model has its own warm start, `make demo`)")
     check_out_dir(out, overwrite, sources=[config.model.path])
     t_start = time.perf_counter()
-    mesh = build_mesh(config)
-    model, tokenizer = build_policy(config, None, config.run_dir, mesh)
-    check_positions(config, s, model.config)
-    s = s.with_eos(tokenizer)
-    cap = lambda path: cap_prompts(load_questions(path), s.protocol, s.system_prompt, tokenizer,
-                                   config.data.max_prompt_tokens, path)
-    train_set = cap(config.data.train_file)
-    retriever = build_retriever(config)
-    pairs, stats = build_traces(train_set, tokenizer, retriever, s.protocol, count=f.traces,
+    run = build(config, "warm_start")
+    s, model, tokenizer, retriever, mesh = run.settings, run.model, run.tokenizer, run.retriever, run.mesh
+    pairs, stats = build_traces(run.train_set, tokenizer, retriever, s.protocol, count=f.traces,
                                 search_share=f.search_share, top_k=config.retrieval.top_k,
                                 max_tokens_per_passage=config.retrieval.max_tokens_per_passage,
                                 system_prompt=s.system_prompt, seed=config.seed)
     print(f"warm start: {stats.summary()}", flush=True)
     report: dict[str, Any] = {"source": os.path.abspath(config.model.path), "traces": stats.__dict__,
-                              "sft": f.to_dict(), "system_prompt": s.system_prompt}
+                              "sft": dataclasses.asdict(f), "system_prompt": s.system_prompt}
+    def score(when: str) -> None:  # as training evaluates: every process its share
+        report[when] = policy_scores(run.greedy, tokenizer, retriever, run.eval_set, s.rollout, run.eval_batch,
+                                     s.system_prompt, s.protocol, mesh)
+        print(_scores_line(when, report[when], run.eval_total), flush=True)
     if f.eval:
-        eval_all = cap(config.data.eval_file)[:config.data.eval_questions]
-        eval_set = process_share(eval_all, jax.process_index(), jax.process_count())  # as training evaluates
-        if not eval_set:
-            raise ValueError(f"{jax.process_count()} processes need at least as many eval questions "
-                             "(data.eval_questions)")
-        sampler = build_sampler(model, tokenizer, s.greedy, config, s.protocol, mesh=mesh)
-        batch = max(1, config.data.prompts_per_step // jax.process_count()) * config.rollout.group_size
-
-        def score(when: str) -> None:
-            report[when] = policy_scores(sampler, tokenizer, retriever, eval_set, s.rollout, batch, s.system_prompt,
-                                         s.protocol, mesh)
-            print(_scores_line(when, report[when], len(eval_all)), flush=True)
         score("before")
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     t_train = time.perf_counter()
     losses = supervised_finetune(model, pairs, steps=f.steps, lr=f.lr, rows=f.rows, width=f.width or None,
-                                 seed=config.seed, pad_id=pad, log_every=max(1, f.steps // 10),
+                                 seed=config.seed, pad_id=run.pad_id, log_every=max(1, f.steps // 10),
                                  micro_batch=f.micro_batch or None, weight_decay=f.weight_decay,
                                  grad_clip=f.grad_clip, chunk=config.rl.logprob_chunk, mesh=mesh)
     report.update(losses=[round(x, 5) for x in losses], train_seconds=round(time.perf_counter() - t_train, 1))
     if f.eval:
-        sampler.set_params(nnx.split(model)[1])
+        run.greedy.set_params(nnx.split(model)[1])
         score("after")
     report["seconds"] = round(time.perf_counter() - t_start, 1)
     write_hf_dir(model, tokenizer, out, dtype=dtype, overwrite=overwrite, extra={"sem_jax_sft.json": report})
@@ -250,11 +233,11 @@ def main(argv: list[str]) -> None:
     if _CONFIG.value is None:
         raise app.UsageError("--config is required (the model, data and sft settings)")
     absl_logging.set_verbosity(absl_logging.WARNING)
-    from sem_jax.distributed import initialize as initialize_distributed
-    initialize_distributed(_CONFIG.value.distributed)
-    finetune(_CONFIG.value, flags.FLAGS.out, overwrite=flags.FLAGS.overwrite, dtype=flags.FLAGS.dtype)
+    config = load(_CONFIG.value)
+    initialize_distributed(config.distributed)
+    finetune(config, flags.FLAGS.out, overwrite=flags.FLAGS.overwrite, dtype=flags.FLAGS.dtype)
 
 
 if __name__ == "__main__":
     define_flags()
-    app.run(main, flags_parser=parse_flags)
+    app.run(lambda argv: exit_on_error(lambda: main(argv)), flags_parser=parse_flags)

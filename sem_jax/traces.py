@@ -24,7 +24,7 @@ import numpy as np
 from sem_jax.data.example import Example
 from sem_jax.protocol import Protocol
 from sem_jax.protocol import sem
-from sem_jax.sem.scoring import normalize_answer, score_answer
+from sem_jax.rewards.answers import normalize_answer, score_answer
 
 THINK_KNOWN = "I know this."
 THINK_UNSURE = "I am not sure."

@@ -29,14 +29,14 @@ from absl import logging as absl_logging
 from flax import nnx
 from ml_collections import ConfigDict, config_flags
 
-from sem_jax.assemble import Run, build_run, settings
+from sem_jax.assemble import Run, build, settings
 from sem_jax.checkpoint import Checkpointer
 from sem_jax.config import one_line_config_errors, parse_flags
 from sem_jax.data.example import Example
 from sem_jax.distributed import initialize as initialize_distributed
 from sem_jax.distributed import started as distributed_started
 from sem_jax.errors import exit_on_error
-from sem_jax.eval_lib import RECORD_KEYS, aggregate, policy_scores, score_trajectory, top_reasons
+from sem_jax.policy_eval import RECORD_KEYS, aggregate, policy_scores, score_trajectory, top_reasons
 from sem_jax.hosts import agree_max, check_shared_dir, gather_json, to_global
 from sem_jax.metrics import MetricWriter
 from sem_jax.model import Qwen2Config
@@ -46,7 +46,8 @@ from sem_jax.rl.trainer import learning_rate
 from sem_jax.run_lock import RunLock
 from sem_jax.sampling import RolloutStats, Trajectory, rollout
 from sem_jax.sampling.sampler import compute_weights
-from sem_jax.sem.reward import CASES
+from sem_jax.rewards.rules import CASES
+from sem_jax.settings import Config, load
 from sem_jax.sharding import shard_params
 
 DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "cpu.py")
@@ -212,8 +213,8 @@ def evaluate_policy(run: Run, state: TrainState) -> dict[str, float]:
     """Greedy evaluation on the held-out questions, every process its share."""
     run.greedy.set_params(state.params)
     s = run.settings
-    scores = policy_scores(run.greedy, run.tokenizer, run.retriever, run.eval_set, s.rollout,
-                           run.per_host * s.rollout.group_size, s.system_prompt, s.protocol, run.mesh)
+    scores = policy_scores(run.greedy, run.tokenizer, run.retriever, run.eval_set, s.rollout, run.eval_batch,
+                           s.system_prompt, s.protocol, run.mesh)
     run.calls.check(f"eval at step {state.step}")
     return scores
 
@@ -271,7 +272,7 @@ def save(run: Run, ckpt: Checkpointer, state: TrainState) -> None:
 
 # -- the loop ----------------------------------------------------------------------------
 
-def train(config: ConfigDict) -> dict[str, float]:
+def train(config: Config) -> dict[str, float]:
     """Run (or resume) training as configured; returns the last step's metrics."""
     settings(config)  # fail fast on a bad field, before any file or model
     run_dir = os.path.abspath(config.run_dir)
@@ -286,15 +287,15 @@ def train(config: ConfigDict) -> dict[str, float]:
             lock.release()
 
 
-def _train(config: ConfigDict, run_dir: str) -> dict[str, float]:
+def _train(config: Config, run_dir: str) -> dict[str, float]:
     ckpt = Checkpointer(os.path.join(run_dir, "ckpt"), keep=config.train.keep_checkpoints)
-    run = build_run(config, resuming=ckpt.latest_step() is not None)
+    run = build(config, "train", resuming=ckpt.latest_step() is not None)
     state = initial_state(run, ckpt)
     # Only once the checkpoint (if any) restored under this config: a refused resume leaves the
     # run's config.json as it was, so evaluate and export still read the config it trained with.
     if jax.process_index() == 0:
         with open(os.path.join(run_dir, "config.json"), "w") as fh:
-            fh.write(config.to_json_best_effort(indent=2))
+            fh.write(config.to_json())
     writer = MetricWriter(run_dir, resumed_step=state.step)
     t = config.train
     total, start = t.total_steps, state.step
@@ -353,15 +354,19 @@ def define_flags():
                                                   lock_config=True)
 
 
-def cli(argv: list[str], config: ConfigDict, prepare: Callable[[ConfigDict], ConfigDict] | None = None) -> None:
-    """The command line's run: start the multi-process runtime, `prepare` the config (the demo
-    writes its world and warm start there), train."""
+def cli(argv: list[str], config: ConfigDict, prepare: Callable[[Config], Config] | None = None) -> None:
+    """The command line's run: the config file's settings checked, the multi-process runtime
+    started, the config `prepare`d (the demo writes its world and warm start there), training."""
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     # Orbax logs every file operation at INFO through absl; keep the console readable.
     absl_logging.set_verbosity(absl_logging.WARNING)
-    initialize_distributed(config.distributed)  # first: before anything starts a backend
-    exit_on_error(lambda: train(prepare(config) if prepare else config))
+
+    def run():
+        cfg = load(config)
+        initialize_distributed(cfg.distributed)  # first: before anything starts a backend
+        return train(prepare(cfg) if prepare else cfg)
+    exit_on_error(run)
 
 
 def main(argv: list[str]) -> None:

@@ -1,10 +1,13 @@
 """The shipped configs load, select what they say, and keep their fields overridable."""
 
+import dataclasses
 import importlib.util
 import os
 import re
 
 import pytest
+
+from sem_jax.settings import load
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -17,9 +20,10 @@ def _load(name, *args):
 
 
 def test_configs():
+    from sem_jax.assemble import settings as runtime
+    from sem_jax.rewards.rules import research_reward, sem_reward
+    settings = lambda c: runtime(load(c))
     demo = _load("demo_cpu")
-    from sem_jax.assemble import settings
-    from sem_jax.sem.reward import research_reward, sem_reward
     assert demo.model.path is None and demo.protocol == "sem" and settings(demo).reward is sem_reward
     gpu = _load("gpu")
     assert settings(gpu).system_prompt.startswith("Answer the question. First think briefly")
@@ -46,15 +50,15 @@ def test_default_configs_are_the_cpu_ones():
     from sem_jax.demo.config import DEMO_SECTIONS, training_config
     demo, cpu = _load("demo_cpu"), _load("cpu")
     assert set(demo) - set(cpu) == set(DEMO_SECTIONS)
-    assert training_config(demo).to_dict() == cpu.to_dict()
+    assert training_config(load(demo)) == load(cpu)
 
 
 @pytest.mark.parametrize("field,value,message", [
-    ("rollout.group_size", 0, "config.rollout.group_size=0: must be > 0"),
+    ("rollout.group_size", 0, "config.rollout.group_size=0: must be >= 2"),
     ("rl.micro_batch", -2, "config.rl.micro_batch=-2: must be > 0"),
     ("train.ckpt_every", 0, "config.train.ckpt_every=0: must be > 0"),
     ("data.prompts_per_step", 0, "config.data.prompts_per_step=0: must be > 0"),
-    ("optim.lr", -1e-6, "config.optim.lr=-1e-06: must be >= 0"),
+    ("optim.lr", -1e-6, "config.optim.lr=-1e-06: must be in [0.0, 1.0]"),
     ("rollout.max_searches", -1, "config.rollout.max_searches=-1: must be >= 0"),
     ("train.total_steps", -5, "config.train.total_steps=-5: must be >= 0"),
     ("sft.steps", 0, "config.sft.steps=0: must be > 0"),
@@ -70,18 +74,17 @@ def test_default_configs_are_the_cpu_ones():
     ("rollout.top_p", 0.0, "config.rollout.top_p=0.0: must be in (0.0, 1.0]"),
 ])
 def test_out_of_range_fields_are_refused_by_name(field, value, message):
-    from sem_jax.assemble import settings
     c = _load("cpu")
     section, name = field.split(".")
     c[section][name] = value
     with pytest.raises(ValueError, match=re.escape(message)):
-        settings(c)
+        load(c)
 
 
 def test_a_rollout_longer_than_the_models_positions_is_refused():
     from sem_jax.assemble import check_positions, settings
     from sem_jax.model import Qwen2Config
-    c = _load("cpu")
+    c = load(_load("cpu"))
     s = settings(c)
     longest = c.data.max_prompt_tokens + s.sampling.max_new_tokens + s.sampling.max_inserted_tokens
     shape = dict(vocab_size=64, hidden_size=8, intermediate_size=8, num_layers=1, num_heads=1, num_kv_heads=1)
@@ -89,3 +92,22 @@ def test_a_rollout_longer_than_the_models_positions_is_refused():
     with pytest.raises(ValueError, match=rf"data\.max_prompt_tokens=256 \+ rollout\.max_new_tokens=192 \+ \d+ inserted "
                                          rf".* = {longest} is over the model's max_position_embeddings={longest - 1}"):
         check_positions(c, s, Qwen2Config(**shape, max_position_embeddings=longest - 1))
+
+
+def test_the_settings_own_every_field_and_refuse_what_they_do_not_know():
+    from sem_jax.settings import Config, ConfigError, from_dict, to_config_dict, to_dict
+    assert load(to_config_dict()) == Config()  # the config files' starting point is the settings' defaults
+    demo = load(_load("demo_cpu"))
+    assert load(to_config_dict(demo)) == demo and from_dict(to_dict(demo)) == demo
+    assert demo.replace(**{"model.path": "/m", "world": None}).model.path == "/m"
+    with pytest.raises(ConfigError, match=r"^unknown config field 'rl\.bta'; did you mean rl\.beta\?$"):
+        from_dict({"rl": {"bta": 0.1}})
+    for tree, message in (({"model": {"remat": "some"}}, "config.model.remat='some': choose one of none, full, dots, "
+                                                          "dots_no_batch"),
+                          ({"rollout": {"group_size": "8"}}, "config.rollout.group_size='8': must be a int"),
+                          ({"rl": {"beta": True}}, "config.rl.beta=True: must be a float"),
+                          ({"data": 3}, "config.data: a section, not 3")):
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            from_dict(tree)
+    # A run's config.json from before a field existed: the newer field keeps its default.
+    assert from_dict({"rl": {"beta": 0.5}}).rl == dataclasses.replace(Config().rl, beta=0.5)

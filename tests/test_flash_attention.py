@@ -135,19 +135,20 @@ def test_config_kernels_reach_the_model(tmp_path):
     exist is refused by name."""
     from conftest import write_hf_qwen2
 
-    from sem_jax.programs import abstract_model
+    from sem_jax.assemble import abstract_model
     from sem_jax.assemble import build_policy
     from sem_jax.config import cpu_config
+    from sem_jax.settings import load
     from sem_jax.model import from_pretrained
 
-    config = cpu_config()
-    config.model.kernels = "xla"
+    config = load(cpu_config()).replace(**{"model.kernels": "xla"})
     model, _ = build_policy(config, lambda: ["a b c d"] * 50, str(tmp_path))
     write_hf_qwen2(tmp_path / "hf", vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                    num_attention_heads=2, num_key_value_heads=1)
     loaded = from_pretrained(str(tmp_path / "hf"), kernels="xla")
     abstract = abstract_model(config, CFG, make_mesh(), "float32")[0]
     assert {(m.cache_kernel, m.attention_kernel) for m in (model, loaded, abstract)} == {("xla", "xla")}
-    config.model.kernels = "mosaic"
+    with pytest.raises(ValueError, match="config.model.kernels='mosaic': choose one of auto, xla, pallas, interpret"):
+        config.replace(**{"model.kernels": "mosaic"})
     with pytest.raises(ValueError, match="cache_kernel='mosaic'"):
-        abstract_model(config, CFG, make_mesh(), "float32")
+        Qwen2(CFG, rngs=nnx.Rngs(0), cache_kernel="mosaic")

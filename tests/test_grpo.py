@@ -12,7 +12,7 @@ from policies import random_qwen2
 from sem_jax.rl.advantages import group_advantages, tied_groups
 from sem_jax.rl.batch import build_batch
 from sem_jax.rl.loss import GRPOConfig, grpo_loss, token_logprobs
-from sem_jax.rl.trainer import GRPOTrainer, OptimConfig
+from sem_jax.rl.trainer import Trainer, OptimConfig
 from sem_jax.sampling.rollout import Trajectory
 
 
@@ -158,7 +158,7 @@ def test_response_window_batch_is_the_full_batch_cut_to_the_responses():
     m = jnp.asarray(b["mask"])
     g_win, g_full = (jax.grad(lambda p, f=f: jnp.sum(f(p) * weights * m))(params) for f in (window, full))
     jax.tree.map(lambda a, w: np.testing.assert_allclose(a, w, atol=1e-5), g_win, g_full)
-    trainer = GRPOTrainer(model, GRPOConfig(), OptimConfig(), micro_batch=2, logprob_chunk=8)
+    trainer = Trainer(model, GRPOConfig(), OptimConfig(), micro_batch=2, logprob_chunk=8)
     np.testing.assert_allclose(np.asarray(trainer.logprobs(params, b)), np.asarray(window(params)), atol=1e-5)
     with pytest.raises(ValueError, match="response window of 16 in width 48"):
         build_batch(trajs, adv, micro_batch=2, response=16)
@@ -209,7 +209,7 @@ def test_shared_prompt_groups_equal_each_row_run_alone(per_layer):
         return  # the trainer passes per_layer through to the pass checked above
 
     # The trainer: runs of gcd(micro_batch, G) rows share; two micro-batches of two groups each.
-    trainers = {g: GRPOTrainer(model, GRPOConfig(beta=0.04), OptimConfig(lr=1e-2, eps=1.0), micro_batch=6,
+    trainers = {g: Trainer(model, GRPOConfig(beta=0.04), OptimConfig(lr=1e-2, eps=1.0), micro_batch=6,
                                logprob_chunk=8, per_layer=per_layer, group_size=g) for g in (3, 1)}
     assert trainers[3].share == 3 and trainers[1].share == 1
     ref = {g: t.logprobs(params, b) for g, t in trainers.items()}
@@ -286,15 +286,15 @@ def test_micro_batches_equal_one_batch_and_nan_step_is_skipped():
     # eps=1 keeps Adam's step ~linear in the gradient, so summation-order rounding in
     # tiny gradients is not amplified by 1/sqrt(v).
     optim = OptimConfig(lr=1e-1, eps=1.0, warmup_steps=0)
-    p_full, m_full = _params_after(GRPOTrainer(model, GRPOConfig(beta=0), optim, micro_batch=4), params, batch)
-    p_micro, m_micro = _params_after(GRPOTrainer(model, GRPOConfig(beta=0), optim, micro_batch=1), params, batch)
+    p_full, m_full = _params_after(Trainer(model, GRPOConfig(beta=0), optim, micro_batch=4), params, batch)
+    p_micro, m_micro = _params_after(Trainer(model, GRPOConfig(beta=0), optim, micro_batch=1), params, batch)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), p_full, p_micro)
     np.testing.assert_allclose(float(m_full["loss"]), float(m_micro["loss"]), rtol=1e-5)
     np.testing.assert_allclose(float(m_full["grad_norm"]), float(m_micro["grad_norm"]), rtol=1e-5)
     assert int(m_full["skipped"]) == 0 and np.isfinite(float(m_full["grad_norm"]))
     assert not np.allclose(np.asarray(p_full["embed"][...]), np.asarray(params["embed"][...]))
 
-    trainer = GRPOTrainer(model, GRPOConfig(beta=0), optim, micro_batch=2)
+    trainer = Trainer(model, GRPOConfig(beta=0), optim, micro_batch=2)
     bad = dict(batch, advantages=np.array([1.0, np.nan, 0.5, 0.2], np.float32))
     before = jax.tree.map(np.asarray, params)
     p_bad, m_bad = _params_after(trainer, params, bad, steps=1)
@@ -306,9 +306,9 @@ def test_reference_pass_skipped_when_beta_is_zero():
     model = random_qwen2(4)
     _, params = nnx.split(model)
     batch = _batch(np.random.RandomState(4))
-    t0 = GRPOTrainer(model, GRPOConfig(beta=0.0), OptimConfig(), micro_batch=2)
+    t0 = Trainer(model, GRPOConfig(beta=0.0), OptimConfig(), micro_batch=2)
     assert t0.reference_logprobs(params, batch) is None and t0.ref_passes == 0
-    t1 = GRPOTrainer(model, GRPOConfig(beta=0.04), OptimConfig(), micro_batch=2)
+    t1 = Trainer(model, GRPOConfig(beta=0.04), OptimConfig(), micro_batch=2)
     ref = t1.reference_logprobs(params, batch)
     assert t1.ref_passes == 1 and ref.shape == batch["inputs"].shape
     # KL against itself is zero.
@@ -329,7 +329,7 @@ def test_reference_weights_in_the_compute_dtype_give_the_same_logprobs():
     ref = reference_weights(params, jnp.bfloat16)
     assert {x.dtype for x in jax.tree.leaves(ref)} == {jnp.dtype(jnp.bfloat16)}
     batch = _batch(np.random.RandomState(4))
-    trainer = GRPOTrainer(model, GRPOConfig(beta=0.04), OptimConfig(), micro_batch=2)
+    trainer = Trainer(model, GRPOConfig(beta=0.04), OptimConfig(), micro_batch=2)
     np.testing.assert_array_equal(np.asarray(trainer.reference_logprobs(ref, batch)),
                                   np.asarray(trainer.reference_logprobs(params, batch)))
     same = reference_weights(params, jnp.float32)
@@ -347,7 +347,7 @@ def test_update_compiles_once(sharded):
     # Committed as loaded weights are (uncommitted inputs recompile for their own reason).
     params = shard_params(params, make_mesh(1, -1, 1)) if sharded else jax.device_put(params, jax.devices()[0])
     batch = _batch(np.random.RandomState(5))
-    trainer = GRPOTrainer(model, GRPOConfig(beta=0), OptimConfig(lr=1e-3), micro_batch=2)
+    trainer = Trainer(model, GRPOConfig(beta=0), OptimConfig(lr=1e-3), micro_batch=2)
     opt = trainer.init_opt_state(params)
     for _ in range(3):
         params, opt, metrics = trainer.update(params, opt, batch)

@@ -174,7 +174,7 @@ def test_sampler_pauses_where_the_models_own_output_closes_search(real, real_rep
 def test_grpo_update_on_real_weights_moves_logprobs_by_the_advantage(real, real_report):
     from sem_jax.rl.batch import build_batch
     from sem_jax.rl.loss import GRPOConfig
-    from sem_jax.rl.trainer import GRPOTrainer, OptimConfig
+    from sem_jax.rl.trainer import Trainer, OptimConfig
 
     tok, g = real.tok, 4
     prompt = sem_prompt(tok, "Where was Alvin Varga born?")
@@ -186,7 +186,7 @@ def test_grpo_update_on_real_weights_moves_logprobs_by_the_advantage(real, real_
                         tok.decode(resp[i, :lens[i]]), "eos") for i in range(g)]
     adv = np.array([1.0, -1.0, 1.0, -1.0], np.float32)
     batch = build_batch(trajs, adv, micro_batch=2, pad_id=ENDOFTEXT, group_size=g)
-    trainer = GRPOTrainer(real.model, GRPOConfig(beta=0.0), OptimConfig(lr=1e-7, weight_decay=0.0),
+    trainer = Trainer(real.model, GRPOConfig(beta=0.0), OptimConfig(lr=1e-7, weight_decay=0.0),
                           micro_batch=2, group_size=g)
     _, params = nnx.split(real.model)
     params = jax.tree.map(jnp.copy, params)  # the update donates its input; the model stays intact

@@ -11,7 +11,7 @@ import pytest
 
 from sem_jax.data.example import Example
 from sem_jax.protocol import SEM
-from sem_jax.sem.scoring import exact_match
+from sem_jax.rewards.answers import exact_match
 
 pytestmark = pytest.mark.real
 

@@ -230,8 +230,9 @@ def test_result_blocks_fit_their_budget_and_always_close(qwen25_tokenizer, proto
     from sem_jax.config import base_config, paper_recipe
     from sem_jax.protocol import get_protocol
     from sem_jax.protocol.chat import TITLE_TOKENS
+    from sem_jax.settings import load
     tok, proto = qwen25_tokenizer, get_protocol(protocol)
-    block_budget, _ = inserted_tokens(paper_recipe(base_config()))
+    block_budget, _ = inserted_tokens(load(paper_recipe(base_config())))
     text = " ".join(["The knockout phase began on 17 February 2015 and ended with the final."] * 20)
     hits = [Passage(str(i), title, text, 1.0) for i, title in enumerate(LONG_TITLES)]
     whole = tok.encode(proto.result_block("champions league", hits, tok, 128), add_special_tokens=False)
@@ -279,9 +280,9 @@ def test_research_protocol_rollout_inserts_researchs_blocks_and_scores_the_boxed
     """The whole loop under protocol=research: its prompt, its ` <result>` blocks, its parser and
     reward on what was sampled."""
     from sem_jax.data.example import Example
-    from sem_jax.eval_lib import score_trajectory
+    from sem_jax.policy_eval import score_trajectory
     from sem_jax.protocol import RESEARCH
-    from sem_jax.sem.reward import RewardParams, get_reward
+    from sem_jax.rewards.rules import RewardParams, get_reward
 
     tok = qwen25_tokenizer
     enc = lambda s: tok.encode(s, add_special_tokens=False)

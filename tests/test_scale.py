@@ -269,16 +269,17 @@ import json
 import jax, jax.numpy as jnp
 from flax import nnx
 from sem_jax.model import Qwen2Config
-from sem_jax.programs import abstract_model, cost, target_devices
+from sem_jax.assemble import abstract_model
+from sem_jax.programs import cost, target_devices
 from sem_jax.config import base_config
+from sem_jax.settings import load
 from sem_jax.roofline import set_analysis_flags, weight_bytes, weight_shares
 from sem_jax.sharding import make_mesh, tensor_groups
 set_analysis_flags()  # CMEM staging off: the bytes counted are HBM bytes
 devices = target_devices("v4:2x2x1")
 cfg = Qwen2Config(vocab_size=512, hidden_size=256, intermediate_size=2048, num_layers=2, num_heads=4,
                   num_kv_heads=2, head_dim=128, rope_theta=1e6)
-config = base_config()
-config.model.update(compute_dtype="bfloat16", remat="none")
+config = load(base_config()).replace(**{"model.compute_dtype": "bfloat16", "model.remat": "none"})
 out = {}
 for spread in (False, True):
     mesh = tensor_groups(make_mesh(devices=devices), 2, spread)
@@ -313,8 +314,10 @@ import jax, jax.numpy as jnp
 from flax import nnx
 from sem_jax.model import Qwen2Config
 from sem_jax.kernels.tpu_layout import lanes_swapped, sublanes_moved
-from sem_jax.programs import abstract_model, cost, target_devices
+from sem_jax.assemble import abstract_model
+from sem_jax.programs import cost, target_devices
 from sem_jax.config import base_config
+from sem_jax.settings import load
 from sem_jax.roofline import set_analysis_flags
 from sem_jax.sharding import make_mesh, tensor_groups
 set_analysis_flags()  # CMEM staging off: the bytes counted are HBM bytes
@@ -333,8 +336,7 @@ for shape in [(3584, 1184), (1184, 3584), (3584, 1024), (512, 296), (2, 3584, 7,
 # One decode step through the kernels and through XLA.
 cfg = Qwen2Config(vocab_size=512, hidden_size=512, intermediate_size=4 * 296, num_layers=2, num_heads=4,
                   num_kv_heads=2, head_dim=128, rope_theta=1e6)
-config = base_config()
-config.model.update(compute_dtype="bfloat16", remat="none")
+config = load(base_config()).replace(**{"model.compute_dtype": "bfloat16", "model.remat": "none"})
 mesh = tensor_groups(make_mesh(devices=devices), 2, True)
 model, _, params = abstract_model(config, cfg, mesh, jnp.bfloat16, scan_unroll=2)
 out = {"rules": rules}

@@ -5,7 +5,7 @@ from hypothesis import given, settings, strategies as st
 
 from sem_jax.data import Example
 from sem_jax.protocol.sem import parse_response
-from sem_jax.sem import RewardParams, exact_match, normalize_answer, research_reward, score_answer, sem_reward, token_f1
+from sem_jax.rewards import RewardParams, exact_match, normalize_answer, research_reward, score_answer, sem_reward, token_f1
 
 QA = Example("q1", "Capital of France?", ("Paris", "Paris, France"), "musique", True)
 MC = Example("m1", "2+2?", ("B",), "mmlu", False, options=("3", "4", "5", "22"), kind="mc")
@@ -73,16 +73,16 @@ def test_parser_invalid(text, reason):
 def test_the_prompts_worked_examples_are_valid_responses():
     from sem_jax.assemble import settings
     from sem_jax.config import base_config
+    from sem_jax.settings import load
     from sem_jax.protocol.sem import EXAMPLE, EXAMPLE_RESPONSES
 
     direct, searched = (parse_response(r) for _, r in EXAMPLE_RESPONSES)
     assert direct.valid and direct.answer == "Paris" and direct.num_searches == 0
     assert searched.valid and searched.first_answer == "Isambard Brunel" and searched.answer == "Edith Marrow"
     assert [q for q, _ in searched.searches] == ["Harlow Street bridge designer"]
-    c = base_config()
+    c = load(base_config())
     assert EXAMPLE not in settings(c).system_prompt
-    c.prompt_example = True
-    assert settings(c).system_prompt.endswith(EXAMPLE) and EXAMPLE.count("Question: ") == 2
+    assert settings(c.replace(prompt_example=True)).system_prompt.endswith(EXAMPLE) and EXAMPLE.count("Question: ") == 2
 
 
 @settings(max_examples=300, deadline=None)
@@ -158,22 +158,19 @@ def test_sem_reward_order_over_every_outcome():
 def test_reward_params_that_make_a_search_free_are_refused():
     from sem_jax.assemble import settings
     from sem_jax.config import base_config
-    from sem_jax.sem.reward import check_sem_params
+    from sem_jax.settings import load
+    from sem_jax.rewards.rules import check_sem_params
 
     check_sem_params(RP)
     for bad in (dict(r_search_scale=0.9), dict(search_penalty=0.0), dict(r_search_base=1.0, r_search_scale=0.0)):
         with pytest.raises(ValueError, match="allow_free_search"):
             check_sem_params(RewardParams(**bad))
         check_sem_params(RewardParams(**bad, allow_free_search=True))  # an ablation, said so
-    c = base_config()
-    c.reward_params.r_search_scale = 0.9
+    c = load(base_config()).replace(**{"reward_params.r_search_scale": 0.9})
     with pytest.raises(ValueError, match="can earn 1 .*not less than r_direct=1"):
         settings(c)
-    c.reward_params.allow_free_search = True
-    settings(c)
-    c.reward = "research"  # ReSearch's reward charges nothing for a search: no check
-    c.reward_params.allow_free_search = False
-    settings(c)
+    settings(c.replace(**{"reward_params.allow_free_search": True}))
+    settings(c.replace(reward="research"))  # ReSearch's reward charges nothing for a search: no check
 
 
 def test_sem_reward_constants_are_config():

@@ -10,6 +10,7 @@ import pytest
 from flax import nnx
 
 from sem_jax.config import cpu_config
+from sem_jax.settings import load
 from sem_jax.data.example import Example
 from sem_jax.data.questions import DEMO_DIR, load_questions
 from sem_jax.export import write_hf_dir
@@ -21,8 +22,8 @@ from sem_jax.protocol import RESEARCH, SEM
 from sem_jax.protocol.chat import chat_prompt
 from sem_jax.retrieval import Retriever
 from sem_jax.rl.loss import GRPOConfig, token_logprobs
-from sem_jax.rl.trainer import GRPOTrainer, OptimConfig
-from sem_jax.sem.reward import RewardParams, sem_reward
+from sem_jax.rl.trainer import Trainer, OptimConfig
+from sem_jax.rewards.rules import RewardParams, sem_reward
 from sem_jax.sft import finetune, pack
 from sem_jax.traces import build_traces
 
@@ -95,7 +96,7 @@ def test_nll_objective_is_the_masked_token_mean_in_any_micro_batching():
     _, params = nnx.split(model)
     out = {}
     for micro in (rows, 1):
-        trainer = GRPOTrainer(model, GRPOConfig(beta=0.0), OptimConfig(lr=1e-2, eps=1.0, weight_decay=0.0), micro_batch=micro,
+        trainer = Trainer(model, GRPOConfig(beta=0.0), OptimConfig(lr=1e-2, eps=1.0, weight_decay=0.0), micro_batch=micro,
                               logprob_chunk=8, objective="nll")
         p = jax.tree.map(jnp.copy, params)
         # eps = 1: the step is about lr * gradient, so that it shows gradient differences unscaled
@@ -107,7 +108,7 @@ def test_nll_objective_is_the_masked_token_mean_in_any_micro_batching():
     moved = jax.tree.map(lambda a, b: float(jnp.max(jnp.abs(a - b))), params, out[1][1])
     assert min(jax.tree.leaves(moved)) > 0  # every weight took the step
     with pytest.raises(ValueError, match="objective='ppo'"):
-        GRPOTrainer(model, GRPOConfig(), OptimConfig(), micro_batch=1, objective="ppo")
+        Trainer(model, GRPOConfig(), OptimConfig(), micro_batch=1, objective="ppo")
 
 
 @pytest.fixture(scope="module")
@@ -126,11 +127,9 @@ def tiny_dir(tmp_path_factory, demo):
 
 
 def test_sft_stage_writes_a_model_that_loads_and_learnt(tiny_dir, tmp_path):
-    c = cpu_config()
-    c.model.path = str(tiny_dir)
-    c.run_dir = str(tmp_path / "run")
-    c.data.eval_questions = 2
-    c.sft.update(traces=48, steps=12, rows=4, micro_batch=2, lr=3e-3)
+    c = load(cpu_config()).replace(**{"model.path": str(tiny_dir), "run_dir": str(tmp_path / "run"),
+                                      "data.eval_questions": 2, "sft.traces": 48, "sft.steps": 12, "sft.rows": 4,
+                                      "sft.micro_batch": 2, "sft.lr": 3e-3})
     out = tmp_path / "sft"
     report = finetune(c, str(out))
     assert sorted(os.listdir(out)) == ["chat_template.jinja", "config.json", "generation_config.json",
@@ -146,9 +145,8 @@ def test_sft_stage_writes_a_model_that_loads_and_learnt(tiny_dir, tmp_path):
     # A finished directory is not overwritten by accident, and is checked before any work.
     with pytest.raises(FileExistsError, match="not empty"):
         finetune(c, str(out))
-    c.model.path = None
     with pytest.raises(ValueError, match="model.path"):
-        finetune(c, str(tmp_path / "other"))
+        finetune(c.replace(**{"model.path": None}), str(tmp_path / "other"))
 
 
 def test_write_hf_dir_replaces_a_whole_directory(tiny_dir, tmp_path):

@@ -49,7 +49,7 @@ def warm_model(tmp_path_factory):
 
 def _cmd(run_dir, model_dir, *extra):
     # Micro-batches of 8 rows, groups of 4: on one device each group's prompt runs once, on the
-    # two-process test's 4 batch shards each pair of a group's rows shares it (GRPOTrainer.share).
+    # two-process test's 4 batch shards each pair of a group's rows shares it (Trainer.share).
     return [sys.executable, "-m", "sem_jax.train", "--config", os.path.join(REPO, "configs", "cpu.py"),
             f"--config.run_dir={run_dir}", f"--config.model.path={model_dir}", "--config.train.total_steps=3",
             "--config.train.ckpt_every=1", "--config.rl.beta=0.04", "--config.optim.lr=0.003",

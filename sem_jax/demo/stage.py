@@ -6,22 +6,21 @@ import os
 
 import jax
 from jax.experimental import multihost_utils
-from ml_collections import ConfigDict
 
 from sem_jax.assemble import build_policy, build_retriever
 from sem_jax.demo.config import training_config
 from sem_jax.demo.warm_start import warm_start
 from sem_jax.demo.world import build_world, summarize, texts, use_world_files, world_config
 from sem_jax.model import save_pretrained
+from sem_jax.settings import Config
 
 
-def prepare(config: ConfigDict) -> ConfigDict:
+def prepare(config: Config) -> Config:
     """Write the world and the warm start into `config.run_dir` (each once: a resumed demo reuses
     them) and return the training config that reads them."""
     run_dir = os.path.abspath(config.run_dir)
     world = build_world(world_config(config))
-    train_config = training_config(config)
-    use_world_files(train_config, world.write(os.path.join(run_dir, "world")))
+    train_config = use_world_files(training_config(config), world.write(os.path.join(run_dir, "world")))
     print(summarize(world), flush=True)
     out = os.path.join(run_dir, "warm_start")
     if os.path.exists(os.path.join(out, "config.json")):
@@ -35,5 +34,4 @@ def prepare(config: ConfigDict) -> ConfigDict:
             tokenizer.save_pretrained(out)
         if jax.process_count() > 1:  # every process loads what process 0 wrote
             multihost_utils.sync_global_devices("sem_jax.demo warm start")
-    train_config.model.path = out
-    return train_config
+    return train_config.replace(**{"model.path": out})

@@ -6,15 +6,14 @@ from __future__ import annotations
 import dataclasses
 import functools
 
-from ml_collections import ConfigDict
-
 from sem_jax.demo.world import World, warm_start_pairs
 from sem_jax.model.qwen2 import Qwen2
 from sem_jax import sft
 from sem_jax.sft import copy_pairs
+from sem_jax.settings import Config
 
 
-def warm_start(config: ConfigDict, model: Qwen2, tokenizer, retriever, world: World) -> Qwen2:
+def warm_start(config: Config, model: Qwen2, tokenizer, retriever, world: World) -> Qwen2:
     """Train `model` in place as `config.warm_start` says; returns it."""
     w = config.warm_start
     traces = functools.partial(warm_start_pairs, tokenizer=tokenizer, retriever=retriever,

@@ -32,6 +32,8 @@ import numpy as np
 from sem_jax.data.example import Example
 from sem_jax.protocol import SEM
 from sem_jax.protocol.sem import direct_trace, result_text, search_call
+from sem_jax.settings import Config
+from sem_jax.settings import World as WorldSettings
 
 _ONSETS = ["b", "d", "f", "g", "k", "l", "m", "n", "p", "r", "s", "t", "v", "z", "br", "dr", "kr", "st", "tr"]
 _VOWELS = ["a", "e", "i", "o", "u"]
@@ -52,18 +54,9 @@ THINK_FIRST, THINK_AFTER = "ok", "found"  # what the traces think before each an
 
 
 @dataclasses.dataclass(frozen=True)
-class WorldConfig:
+class WorldConfig(WorldSettings):
+    """A world's settings (`sem_jax.settings.World`, the demo config's `world`) and its seed."""
     seed: int = 0
-    rl_people: int = 120       # people the RL questions ask about
-    eval_people: int = 40      # people only the eval questions ask about
-    warm_people: int = 4000    # people only the warm-start traces look up (many, each seen
-                               # about once: the warm start learns to copy names into queries
-                               # and answers out of results, not to memorise people)
-    cities: int = 12
-    orgs: int = 12
-    countries: int = 20        # known facts: capitals of invented countries ...
-    sum_max: int = 4           # ... and the sums a + b for a, b in 1..sum_max
-    eval_fraction_known: float = 0.4  # known facts held out of RL (eval asks both phrasings)
 
 
 @dataclasses.dataclass
@@ -96,10 +89,10 @@ def world_files(directory: str) -> dict[str, str]:
     return {name: os.path.join(directory, f"{name}.jsonl") for name in ("corpus", "train", "eval")}
 
 
-def use_world_files(config, paths: dict[str, str]) -> None:
-    """Point a config's data and retrieval at a written world (in place)."""
-    config.data.train_file, config.data.eval_file = paths["train"], paths["eval"]
-    config.retrieval.corpus, config.retrieval.index_dir = paths["corpus"], None
+def use_world_files(config: Config, paths: dict[str, str]) -> Config:
+    """`config` with its data and retrieval pointed at a written world."""
+    return config.replace(**{"data.train_file": paths["train"], "data.eval_file": paths["eval"],
+                             "retrieval.corpus": paths["corpus"], "retrieval.index_dir": None})
 
 
 def _row(e: Example) -> dict:
@@ -193,9 +186,9 @@ def build_world(cfg: WorldConfig = WorldConfig()) -> World:
                  known=known, warm_unknown=warm_unknown, facts=facts, subject=subject, cities=cities, orgs=orgs)
 
 
-def world_config(config) -> WorldConfig:
+def world_config(config: Config) -> WorldConfig:
     """The synthetic world of a demo config (`config.world`; its seed is the run's seed)."""
-    return WorldConfig(seed=config.seed, **config.world.to_dict())
+    return WorldConfig(seed=config.seed, **dataclasses.asdict(config.world))
 
 
 def texts(world: World) -> list[str]:

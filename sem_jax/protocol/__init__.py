@@ -16,7 +16,7 @@ from sem_jax.retrieval.bm25 import Passage
 @dataclasses.dataclass(frozen=True)
 class Protocol:
     name: str
-    reward: str                               # the reward it trains with (sem_jax.sem.reward.REWARDS)
+    reward: str                               # the reward it trains with (sem_jax.rewards.rules.REWARDS)
     system_prompt: str                        # the policy's instructions (config.system_prompt overrides)
     example: str                              # a worked example of the format (config.prompt_example adds it)
     direct_system_prompt: str                 # the `direct` evaluation mode: no search offered

@@ -20,6 +20,22 @@ def response_width(trajs: Sequence[Trajectory], min_length: int = 32) -> int:
     return bucket_length(max(len(t.response_ids) for t in trajs), minimum=min_length)
 
 
+def batch_shapes(rows: int, width: int, response: int) -> dict[str, tuple[tuple[int, ...], type]]:
+    """Each array of a `build_batch` batch: (shape, dtype) for `rows` rows of width T and a
+    response window of R."""
+    return {"inputs": ((rows, width), np.int32), "start": ((rows,), np.int32),
+            "targets": ((rows, response), np.int32), "mask": ((rows, response), np.float32),
+            "sampler_logprobs": ((rows, response), np.float32), "advantages": ((rows,), np.float32)}
+
+
+def widest_batch(rows: int, max_prompt_tokens: int, response_tokens: int) -> dict[str, tuple[tuple[int, ...], type]]:
+    """`batch_shapes` of the widest batch `build_batch` makes from prompts of at most
+    `max_prompt_tokens` and responses of at most `response_tokens` (sampled and inserted), bucketed
+    as `batch_width` and `response_width` bucket them: what a compile-only check sizes for."""
+    return batch_shapes(rows, bucket_length(max_prompt_tokens + response_tokens - 1, minimum=32),
+                        bucket_length(response_tokens, minimum=32))
+
+
 def build_batch(trajs: Sequence[Trajectory], advantages: np.ndarray, *, micro_batch: int,
                 pad_id: int = 0, width: int | None = None, response: int | None = None,
                 group_size: int = 1) -> dict[str, np.ndarray]:
@@ -33,7 +49,7 @@ def build_batch(trajs: Sequence[Trajectory], advantages: np.ndarray, *, micro_ba
     processes agree on both.
 
     `group_size`: trajectories come in groups of this many consecutive ones with the same
-    prompt (the rollout's order), which `GRPOTrainer(group_size=)` computes once per group;
+    prompt (the rollout's order), which `Trainer(group_size=)` computes once per group;
     anything else is a `ValueError` naming the row.
     """
     if len(trajs) % group_size:
@@ -52,14 +68,8 @@ def build_batch(trajs: Sequence[Trajectory], advantages: np.ndarray, *, micro_ba
     if longest > response or response > width:
         raise ValueError(f"responses of up to {longest} tokens do not fit a response window of {response} "
                          f"in width {width}")
-    out = {
-        "inputs": np.full((n, width), pad_id, np.int32),
-        "start": np.zeros((n,), np.int32),
-        "targets": np.full((n, response), pad_id, np.int32),
-        "mask": np.zeros((n, response), np.float32),
-        "sampler_logprobs": np.zeros((n, response), np.float32),
-        "advantages": np.zeros((n,), np.float32),
-    }
+    out = {k: np.full(shape, pad_id if k in ("inputs", "targets") else 0, dtype)
+           for k, (shape, dtype) in batch_shapes(n, width, response).items()}
     for i, (t, s) in enumerate(zip(trajs, seqs)):
         p, m = len(t.prompt_ids), len(s) - 1
         out["inputs"][i, :m] = s[:-1]

@@ -75,7 +75,7 @@ def _unmicro(x: jax.Array, unit: int = 1) -> jax.Array:
     return x.reshape(m * size, *x.shape[3:])
 
 
-class GRPOTrainer:
+class Trainer:
     """Holds the jitted logprob and update functions for one model graph.
 
     `per_layer` (default: `per_layer_default()`) runs the layers one by one instead of under the

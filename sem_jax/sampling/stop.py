@@ -107,6 +107,12 @@ def _byte_dfa(stops: Sequence[bytes]) -> tuple[np.ndarray, np.ndarray]:
     return delta, np.array(accept)
 
 
+def trie_states(stops: Sequence[str]) -> int:
+    """The states `build_stop_automaton` makes for `stops`: one per distinct byte prefix of the
+    stop strings, plus the start (the table's second dimension, which compile-only checks size)."""
+    return len({x.encode()[:i] for x in stops for i in range(1, len(x.encode()) + 1)}) + 1
+
+
 def build_stop_automaton(tokenizer, stops: Sequence[str], vocab_size: int | None = None) -> StopAutomaton:
     """Token-level stop table for `stops` over the tokenizer's vocabulary (padded to `vocab_size`)."""
     return stop_automaton_from_bytes(token_bytes(tokenizer, vocab_size), stops)

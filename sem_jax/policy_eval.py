@@ -16,7 +16,7 @@ from sem_jax.data.mix import process_share
 from sem_jax.hosts import agree_max, gather_json
 from sem_jax.protocol import SEM, Protocol
 from sem_jax.sampling.rollout import RolloutConfig, Trajectory, rollout
-from sem_jax.sem.scoring import score_answer
+from sem_jax.rewards.answers import score_answer
 
 
 def score_trajectory(t: Trajectory, ex: Example, protocol: Protocol = SEM) -> dict:

@@ -3,34 +3,13 @@
 
 from __future__ import annotations
 
-import dataclasses
-
 from sem_jax.data.example import Example
 from sem_jax.protocol.sem import Parsed  # research_reward reads only .valid and .answer (any protocol's)
-from sem_jax.sem.scoring import score_answer
+from sem_jax.rewards.answers import score_answer
+from sem_jax.settings import RewardParams  # the constants, each a config field (reward_params)
 
 CASES = ("invalid", "direct_correct", "direct_wrong", "redundant_search", "search_after_wrong",
          "research_correct", "research_wrong")
-
-
-@dataclasses.dataclass(frozen=True)
-class RewardParams:
-    """The reward constants. The paper's are not public; these defaults are this project's choice,
-    under one rule that `check_sem_params` enforces: every trajectory that searched earns less than
-    a correct direct answer (by 0.2 at the defaults), or a policy could write a throwaway first
-    answer and search for free on questions it knows."""
-    r_direct: float = 1.0           # first answer correct, no search
-    search_penalty: float = 0.5     # subtracted when a correct first answer is followed by a search
-    r_no_search_wrong: float = 0.0  # first answer wrong, no search
-    r_search_base: float = 0.1      # first answer wrong, searched: base ...
-    r_search_scale: float = 0.7     # ... plus scale * F1(final answer): at most 0.8
-    tau: float = 0.8                # F1 at or above which an answer counts as correct
-    research_format_reward: float = 0.1  # ReSearch: well-formed but wrong
-    allow_free_search: bool = False  # ablations only: accept constants under which a search is free
-
-    def best_searched(self) -> float:
-        """The most any trajectory with a search can earn under the SEM reward (F1 in [0, 1])."""
-        return max(self.r_direct - self.search_penalty, self.r_search_base + max(self.r_search_scale, 0.0))
 
 
 def check_sem_params(rp: RewardParams) -> None:

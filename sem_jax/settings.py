@@ -1,0 +1,398 @@
+"""The config as frozen, typed settings: every field's default, type and range, checked once.
+
+The user's interface stays ml_collections: `configs/*.py` start from `sem_jax.config.base_config()`
+(made here from the defaults below) and `--config.x=y` overrides it. `load(config)` turns that
+ConfigDict into a `Config` once, refusing an unknown field, a value of the wrong type or out of
+its range in one line naming the field; every module reads the typed `Config`, none a ConfigDict.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import math
+import types
+import typing
+from typing import Any
+
+from ml_collections import ConfigDict, config_dict
+
+from sem_jax.data.questions import DEMO_DIR
+from sem_jax.errors import Refused
+
+BIG = 1 << 30  # an open upper end
+
+
+class ConfigError(Refused, ValueError):
+    """A config field unknown, of the wrong type or out of its range: said in one line."""
+
+
+def setting(default: Any, low: float | None = None, high: float | None = None, ends: str = "[]", why: str = "",
+            choices: tuple | None = None) -> Any:
+    """A field with its default and its check: a range [low, high] (`ends` "(" / ")" for open
+    ends), or `choices`; `why` is said when a value is refused."""
+    return dataclasses.field(default=default, metadata=dict(low=low, high=high, ends=ends, why=why, choices=choices))
+
+
+def section(cls: type) -> Any:
+    return dataclasses.field(default_factory=cls)
+
+
+POSITIVE = dict(low=1, high=BIG)
+COUNT = dict(low=0, high=BIG)
+RATE = dict(low=0.0, high=BIG)
+SHARE = dict(low=0.0, high=1.0)
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelInit:
+    """The random-init model when `model.path` is None (a small BPE is trained on the data)."""
+    tokenizer_vocab: int = setting(512, **POSITIVE)
+    hidden_size: int = setting(64, **POSITIVE)
+    intermediate_size: int = setting(128, **POSITIVE)
+    num_layers: int = setting(2, **POSITIVE)
+    num_heads: int = setting(4, **POSITIVE)
+    num_kv_heads: int = setting(2, **POSITIVE)
+    rope_theta: float = setting(1e6, low=0.0, high=BIG, ends="()")
+    tie_word_embeddings: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
+class Model:
+    path: str | None = None          # local HF Qwen2 directory; None: random init (`init`)
+    tokenizer: str | None = None     # tokenizer directory (default: path)
+    preset: str | None = None        # architecture name (sem_jax.model.presets) for compile-only checks
+    dtype: str = "float32"           # parameter dtype
+    compute_dtype: str = "float32"   # activation dtype
+    eval_dtype: str = ""             # parameter dtype of sem_jax.evaluate ("": dtype)
+    remat: str = setting("none", choices=("none", "full", "dots", "dots_no_batch"))
+    kernels: str = setting("auto", choices=("auto", "xla", "pallas", "interpret"))  # sem_jax.kernels.dispatch
+    init: ModelInit = section(ModelInit)
+
+    @property
+    def evaluated_dtype(self) -> str:
+        """The parameter dtype of `sem_jax.evaluate`: `eval_dtype`, or `dtype` when unset."""
+        return self.eval_dtype or self.dtype
+
+
+@dataclasses.dataclass(frozen=True)
+class Mesh:
+    data: int = setting(1, low=-1, high=BIG)
+    fsdp: int = setting(-1, low=-1, high=BIG)   # -1: all remaining devices
+    tensor: int = setting(1, low=-1, high=BIG)
+
+
+@dataclasses.dataclass(frozen=True)
+class Distributed:
+    mode: str = setting("auto", choices=("auto", "on", "off"))  # auto: on TPU pods or with a coordinator
+    coordinator_address: str | None = None  # host:port (GPU/CPU clusters)
+    num_processes: int | None = None
+    process_id: int | None = None
+    cpu_collectives: str | None = None      # "gloo" for multi-process CPU runs
+
+
+@dataclasses.dataclass(frozen=True)
+class Data:
+    train_file: str = f"{DEMO_DIR}/train.jsonl"
+    eval_file: str = f"{DEMO_DIR}/eval.jsonl"
+    prompts_per_step: int = setting(4, **POSITIVE)   # questions per GRPO step (x group_size trajectories)
+    eval_questions: int = setting(100, **POSITIVE)   # held-out questions per evaluation (greedy)
+    max_prompt_tokens: int = setting(256, **POSITIVE)  # longer prompts are skipped at load
+
+
+@dataclasses.dataclass(frozen=True)
+class Retrieval:
+    index_dir: str | None = None    # built by scripts/build_index.py
+    corpus: str = f"{DEMO_DIR}/corpus.jsonl"  # indexed in memory when no index_dir
+    top_k: int = setting(3, **POSITIVE)  # passages per search
+    max_tokens_per_passage: int = setting(64, **POSITIVE)
+    threads: int = setting(0, **COUNT)  # search threads per process (0: every core of the host)
+
+
+@dataclasses.dataclass(frozen=True)
+class Rollout:
+    group_size: int = setting(5, low=2, high=BIG, why="GRPO's advantages compare a question's trajectories: with "
+                                                       "one, every group ties and no step learns")
+    max_searches: int = setting(2, **COUNT)   # answered searches per trajectory
+    max_new_tokens: int = setting(128, **POSITIVE)  # sampled tokens; inserted results get room of their own
+    temperature: float = setting(1.0, **RATE)
+    top_p: float = setting(1.0, low=0.0, high=1.0, ends="(]")
+    top_k: int = setting(0, why="0: all tokens", **COUNT)
+    # Decode attention reads a window of the KV cache grown in steps of >= this many tokens (each
+    # window size compiles once); 0: the whole cache.
+    window_steps: int = setting(32, **COUNT)
+    # The sampler's layout. 0: the training mesh. T >= 1: the devices as data x T, each group of T
+    # devices holding the compute-dtype weights whole between them (tensor parallelism).
+    tensor: int = setting(0, **COUNT)
+    # With `tensor`: the MLP's weights and an untied LM head split over every device, not one group's.
+    spread: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class RewardParams:
+    """The reward constants. The paper's are not public; these defaults are this project's choice,
+    under one rule that `check_sem_params` enforces: every trajectory that searched earns less than
+    a correct direct answer (by 0.2 at the defaults), or a policy could write a throwaway first
+    answer and search for free on questions it knows."""
+    r_direct: float = 1.0           # first answer correct, no search
+    search_penalty: float = 0.5     # subtracted when a correct first answer is followed by a search
+    r_no_search_wrong: float = 0.0  # first answer wrong, no search
+    r_search_base: float = 0.1      # first answer wrong, searched: base ...
+    r_search_scale: float = 0.7     # ... plus scale * F1(final answer): at most 0.8
+    tau: float = setting(0.8, low=0.0, high=1.0, ends="(]",  # F1 at or above which an answer counts as correct
+                         why="F1 at or above it counts as correct: 0 takes every answer, over 1 none")
+    research_format_reward: float = 0.1  # ReSearch: well-formed but wrong
+    allow_free_search: bool = False  # ablations only: accept constants under which a search is free
+
+    def best_searched(self) -> float:
+        """The most any trajectory with a search can earn under the SEM reward (F1 in [0, 1])."""
+        return max(self.r_direct - self.search_penalty, self.r_search_base + max(self.r_search_scale, 0.0))
+
+
+@dataclasses.dataclass(frozen=True)
+class RL:
+    beta: float = setting(0.001, **RATE)      # KL to the frozen reference (k3); 0 skips the reference pass
+    clip_eps: float = setting(0.2, low=0.0, high=1.0, why="a ratio's distance from 1")
+    clip_eps_high: float | None = setting(None, low=0.0, high=10.0, why="a ratio's distance from 1")  # None: symmetric
+    loss_agg: str = setting("seq_mean_token_mean", choices=("seq_mean_token_mean", "token_mean", "dr_grpo"))
+    adv_eps: float = setting(1e-6, low=0.0, high=1.0, ends="(]")
+    scale_adv_by_std: bool = True   # False: Dr. GRPO advantages (mean removed only)
+    # Rows per gradient micro-batch; when each batch shard's share of it is a multiple of
+    # rollout.group_size (or shares a divisor with it), a group's prompt runs once for its rows.
+    micro_batch: int = setting(4, **POSITIVE)
+    logprob_chunk: int = setting(128, **POSITIVE)  # sequence chunk for the LM head in log-prob passes
+
+
+@dataclasses.dataclass(frozen=True)
+class Optim:
+    lr: float = setting(1e-6, low=0.0, high=1.0)
+    weight_decay: float = setting(0.01, **SHARE)
+    b1: float = setting(0.9, low=0.0, high=1.0, ends="[)", why="Adam's decay")
+    b2: float = setting(0.999, low=0.0, high=1.0, ends="[)", why="Adam's decay")
+    eps: float = setting(1e-8, low=0.0, high=1.0, ends="(]")
+    grad_clip: float = setting(1.0, **RATE)
+    warmup_steps: int = setting(0, **COUNT)
+    schedule: str = setting("constant", choices=("constant", "cosine"))
+
+
+@dataclasses.dataclass(frozen=True)
+class SFT:
+    """The format warm start, `python -m sem_jax.sft` (sem_jax/traces.py)."""
+    traces: int = setting(256, **POSITIVE)      # traces built (questions reused in shuffled rounds)
+    search_share: float = setting(0.5, **SHARE)  # of them searching (from needs_search questions)
+    steps: int = setting(64, **POSITIVE)
+    rows: int = setting(8, **POSITIVE)          # packed rows per step
+    width: int = setting(0, **COUNT)            # tokens per row; 0: the longest trace, bucketed, at least 256
+    micro_batch: int = setting(0, **COUNT)      # rows per gradient micro-batch; 0: all
+    lr: float = setting(1e-5, low=0.0, high=1.0)  # AdamW, warmup over a tenth of the steps, cosine to 0
+    weight_decay: float = setting(0.0, **SHARE)
+    grad_clip: float = setting(1.0, **RATE)
+    eval: bool = True                           # score the held-out questions before and after
+
+
+@dataclasses.dataclass(frozen=True)
+class Train:
+    total_steps: int = setting(10, **COUNT)
+    log_every: int = setting(1, **POSITIVE)
+    eval_every: int = setting(0, **COUNT)        # 0: evaluate only at the end
+    eval_at_start: bool = True                   # evaluate the initial policy (step 0) before training
+    min_start_valid: float = setting(0.25, **SHARE)  # warn when fewer step-0 responses follow the format
+    ckpt_every: int = setting(5, **POSITIVE)
+    keep_checkpoints: int = setting(3, **POSITIVE)
+    debug_hosts: bool = False   # multi-process: check every step that all processes made the same device calls
+    debug_kill_at_step: int | None = None  # crash tests: SIGKILL after this step's checkpoint
+
+
+@dataclasses.dataclass(frozen=True)
+class World:
+    """The demo's synthetic world (`sem_jax.demo.world`; its seed is the run's)."""
+    rl_people: int = setting(120, **POSITIVE)    # people the RL questions ask about
+    eval_people: int = setting(40, **POSITIVE)   # people only the eval questions ask about
+    # People only the warm-start traces look up (many, each seen about once: the warm start learns
+    # to copy names into queries and answers out of results, not to memorise people).
+    warm_people: int = setting(4000, **POSITIVE)
+    cities: int = setting(12, **POSITIVE)
+    orgs: int = setting(12, **POSITIVE)
+    countries: int = setting(20, **POSITIVE)     # known facts: capitals of invented countries ...
+    sum_max: int = setting(4, **POSITIVE)        # ... and the sums a + b for a, b in 1..sum_max
+    eval_fraction_known: float = setting(0.4, **SHARE)  # known facts held out of RL
+
+
+@dataclasses.dataclass(frozen=True)
+class WarmStart:
+    """The demo's supervised warm start of its random-init policy (`sem_jax.demo.warm_start`)."""
+    lr: float = setting(3e-3, low=0.0, high=1.0)
+    rows: int = setting(12, **POSITIVE)
+    search_prob_a: float = setting(0.8, **SHARE)
+    # At 0.2-0.3 GRPO sampled no search for some phrasing-B kinds: nothing to learn from.
+    search_prob_b: float = setting(0.4, **SHARE)
+    # First: copying random token strings (sft.copy_pairs); without it a tiny model never copied a
+    # name into a query.
+    copy_steps: int = setting(400, **COUNT)
+    lookup_steps: int = setting(0, **COUNT)      # then: lookups alone (every trace searches)
+    steps: int = setting(600, **COUNT)           # then: the whole mix
+    known_copies: int = setting(48, **COUNT)     # known facts must be memorised: repeated
+    lookup_copies: int = setting(1, **COUNT)
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    seed: int = 0
+    run_dir: str = "runs/demo"      # checkpoints, TensorBoard events, metrics.jsonl, config.json
+    protocol: str = setting("sem", choices=("sem", "research"))  # prompts, parser, result blocks, reward
+    system_prompt: str | None = None  # None: the protocol's (sem_jax/protocol/)
+    prompt_example: bool = False    # append the protocol's worked example to the system prompt
+    # None: the protocol's own reward. `research` on the sem protocol is ReSearch's reward on SEM's
+    # format (the demo's baseline), not ReSearch as ReSearch runs (protocol=research).
+    reward: str | None = setting(None, choices=("sem", "research"))
+    peak_flops: float | None = setting(None, low=0.0, high=1e18, ends="()")  # FLOP/s per device, for MFU
+    model: Model = section(Model)
+    mesh: Mesh = section(Mesh)
+    distributed: Distributed = section(Distributed)
+    data: Data = section(Data)
+    retrieval: Retrieval = section(Retrieval)
+    rollout: Rollout = section(Rollout)
+    reward_params: RewardParams = section(RewardParams)
+    rl: RL = section(RL)
+    optim: Optim = section(Optim)
+    sft: SFT = section(SFT)
+    train: Train = section(Train)
+    # The demo's own sections (configs/demo_cpu.py); None in every other config.
+    world: World | None = None
+    warm_start: WarmStart | None = None
+
+    def replace(self, **dotted: Any) -> "Config":
+        """A copy with fields changed by dotted name (`replace(**{"model.path": d})`), checked as
+        `load` checks them."""
+        tree = to_dict(self)
+        for name, value in dotted.items():
+            node, *parents, leaf = [tree, *name.split(".")]
+            for part in parents:
+                node = node[part]
+            node[leaf] = value
+        return from_dict(tree)
+
+    def to_json(self) -> str:
+        return json.dumps(to_dict(self), indent=2)
+
+
+OPTIONAL_SECTIONS = ("world", "warm_start")
+
+
+# -- ConfigDict <-> Config -------------------------------------------------------------------
+
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _optional(hint: Any) -> tuple[Any, bool]:
+    """(the type inside `T | None`, whether None is allowed)."""
+    args = typing.get_args(hint)
+    if typing.get_origin(hint) in (typing.Union, types.UnionType) and type(None) in args:
+        return next(a for a in args if a is not type(None)), True
+    return hint, False
+
+
+def to_config_dict(value: Any = None) -> ConfigDict:
+    """The ConfigDict of `value` (default: every default): what `configs/*.py` start from. A field
+    that may be None is a typed placeholder, so that a command-line override still type-checks."""
+    value = Config() if value is None else value
+    out = ConfigDict()
+    for f in dataclasses.fields(value):
+        kind, _ = _optional(_hints(type(value))[f.name])
+        v = getattr(value, f.name)
+        if dataclasses.is_dataclass(kind):
+            if v is not None:
+                out[f.name] = to_config_dict(v)
+        elif v is None:
+            out[f.name] = config_dict.placeholder(kind)
+        else:
+            out[f.name] = v
+    return out
+
+
+def to_dict(value: Any) -> dict:
+    return dataclasses.asdict(value)
+
+
+def load(config: ConfigDict | dict) -> Config:
+    """The typed, checked settings of `config` (a ConfigDict as the config files make it, or its
+    dict); refused in one line naming the field: an unknown field, a wrong type, a value out of
+    range or not among the choices."""
+    return from_dict(config.to_dict() if isinstance(config, ConfigDict) else dict(config))
+
+
+def from_json(path: str) -> Config:
+    """The config a run was trained with (`sem_jax.train` writes run_dir/config.json); fields newer
+    than the run keep their defaults."""
+    with open(path) as fh:
+        try:
+            tree = json.load(fh)
+        except ValueError as e:
+            raise ConfigError(f"{path}: not a JSON config ({e})") from None
+    try:
+        return from_dict(tree)
+    except ConfigError as e:
+        raise ConfigError(f"{path}: {e}") from None
+
+
+def from_dict(tree: dict) -> Config:
+    return _build(Config, tree, "")
+
+
+def _build(cls: type, tree: Any, prefix: str) -> Any:
+    if not isinstance(tree, dict):
+        raise ConfigError(f"config.{prefix.rstrip('.')}: a section, not {tree!r}")
+    hints = _hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = [k for k in tree if k not in fields]
+    if unknown:
+        name = prefix + unknown[0]
+        close = [prefix + k for k in difflib.get_close_matches(unknown[0], list(fields), n=3, cutoff=0.6)]
+        raise ConfigError(f"unknown config field {name!r}" + (f"; did you mean {', '.join(close)}?" if close else ""))
+    values = {}
+    for name, value in tree.items():
+        kind, nullable = _optional(hints[name])
+        where = prefix + name
+        if dataclasses.is_dataclass(kind):
+            values[name] = None if value is None and nullable else _build(kind, value, where + ".")
+        else:
+            values[name] = _check(where, _typed(where, kind, nullable, value), fields[name].metadata)
+    return cls(**values)
+
+
+def _typed(where: str, kind: type, nullable: bool, value: Any) -> Any:
+    if value is None:
+        if nullable:
+            return None
+        raise ConfigError(f"config.{where}=None: must be a {kind.__name__}")
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        value = float(value)
+    if kind is int and isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if not isinstance(value, kind) or (kind is not bool and isinstance(value, bool)):
+        raise ConfigError(f"config.{where}={value!r}: must be a {kind.__name__}")
+    if kind is float and not math.isfinite(value):
+        raise ConfigError(f"config.{where}={value!r}: must be a finite number")
+    return value
+
+
+def _check(where: str, value: Any, meta: Any) -> Any:
+    if value is None or not meta:
+        return value
+    why = f" ({meta['why']})" if meta["why"] else ""
+    if meta["choices"] is not None and value not in meta["choices"]:
+        raise ConfigError(f"config.{where}={value!r}: choose one of {', '.join(map(str, meta['choices']))}" + why)
+    low, high, ends = meta["low"], meta["high"], meta["ends"]
+    if low is None:
+        return value
+    above = value > low if ends[0] == "(" else value >= low
+    below = value < high if ends[1] == ")" else value <= high
+    if not (above and below):
+        if high >= BIG and ends[0] == "[":
+            where_ok = f">= {low}" if low != 1 or not isinstance(value, int) else "> 0"
+        else:
+            where_ok = f"in {ends[0]}{low}, {high}{ends[1]}"
+        raise ConfigError(f"config.{where}={value!r}: must be {where_ok}" + why)
+    return value
