@@ -32,7 +32,7 @@ from sem_jax.model.presets import preset
 from sem_jax.model.tokenizer import load_tokenizer, train_bpe_tokenizer
 from sem_jax.protocol import Protocol, get_protocol
 from sem_jax.rl.loss import GRPOConfig
-from sem_jax.rl.trainer import Trainer, OptimConfig
+from sem_jax.rl.trainer import OptimConfig, Trainer
 from sem_jax.sampling import RolloutConfig, Sampler, SamplingConfig, build_stop_automaton
 from sem_jax.rewards.rules import RewardParams, check_sem_params, get_reward
 from sem_jax.settings import Config

@@ -38,7 +38,7 @@ from sem_jax.policy_eval import policy_scores, top_reasons
 from sem_jax.export import check_out_dir, write_hf_dir
 from sem_jax.model.qwen2 import Qwen2
 from sem_jax.rl.loss import GRPOConfig
-from sem_jax.rl.trainer import Trainer, OptimConfig
+from sem_jax.rl.trainer import OptimConfig, Trainer
 from sem_jax.sampling.sampler import bucket_length
 from sem_jax.settings import Config, load
 from sem_jax.traces import Pair, build_traces

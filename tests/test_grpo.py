@@ -12,7 +12,7 @@ from policies import random_qwen2
 from sem_jax.rl.advantages import group_advantages, tied_groups
 from sem_jax.rl.batch import build_batch
 from sem_jax.rl.loss import GRPOConfig, grpo_loss, token_logprobs
-from sem_jax.rl.trainer import Trainer, OptimConfig
+from sem_jax.rl.trainer import OptimConfig, Trainer
 from sem_jax.sampling.rollout import Trajectory
 
 
@@ -109,6 +109,20 @@ def test_grpo_loss_and_gradient_match_numpy(agg, beta, high):
     np.testing.assert_allclose(float(val), want_val, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(np.asarray(grad), want_grad, rtol=1e-4, atol=1e-6)
     assert (np.asarray(grad)[mask == 0] == 0).all()
+
+
+def test_the_widest_batch_is_what_build_batch_makes_at_the_caps():
+    """Compile-only checks size the update for `widest_batch`: the batch of the longest prompt and
+    response the caps allow, as `build_batch` makes it (keys, shapes, dtypes)."""
+    from sem_jax.rl.batch import widest_batch
+    prompt, resp = 37, 90
+    trajs = [Trajectory(0, list(range(1, prompt + 1)), np.arange(resp, dtype=np.int32), np.ones(resp, np.int8),
+                        np.zeros(resp, np.float32), 0, [], "", "eos"),
+             Trajectory(0, list(range(1, prompt + 1)), np.arange(5, dtype=np.int32), np.ones(5, np.int8),
+                        np.zeros(5, np.float32), 0, [], "", "eos")]
+    batch = build_batch(trajs, np.zeros(2), micro_batch=4, group_size=2)
+    assert {k: (v.shape, v.dtype) for k, v in batch.items()} == \
+        {k: (shape, np.dtype(dt)) for k, (shape, dt) in widest_batch(4, prompt, resp).items()}
 
 
 def test_response_window_batch_is_the_full_batch_cut_to_the_responses():

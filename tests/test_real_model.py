@@ -174,7 +174,7 @@ def test_sampler_pauses_where_the_models_own_output_closes_search(real, real_rep
 def test_grpo_update_on_real_weights_moves_logprobs_by_the_advantage(real, real_report):
     from sem_jax.rl.batch import build_batch
     from sem_jax.rl.loss import GRPOConfig
-    from sem_jax.rl.trainer import Trainer, OptimConfig
+    from sem_jax.rl.trainer import OptimConfig, Trainer
 
     tok, g = real.tok, 4
     prompt = sem_prompt(tok, "Where was Alvin Varga born?")

@@ -9,7 +9,7 @@ from sem_jax.protocol import SEM
 from sem_jax.protocol.sem import LIMIT_NOTE, NO_QUERY, format_results, parse_query, result_block
 from sem_jax.retrieval import Passage, Retriever
 from sem_jax.sampling import RolloutConfig, Sampler, SamplingConfig, build_stop_automaton, rollout
-from sem_jax.sampling.stop import _byte_decoder
+from sem_jax.sampling.stop import _byte_decoder, trie_states
 
 IM_END = 151645
 
@@ -92,6 +92,12 @@ def test_device_loop_pauses_at_the_right_token(qwen25_tokenizer, automaton):
     assert np.asarray(state.paused).all()
     for r, ids in enumerate(variants):
         assert int(state.resp_len[r]) == _first_hit(qwen25_tokenizer, ids) + 1, STOP_PIECES[r]
+
+
+@pytest.mark.parametrize("stops", [SEM.stop_strings, ["</search>", "</sea", "<x>"], ["ab", "b"]])
+def test_trie_states_is_the_automatons_table_width(qwen25_tokenizer, stops):
+    """Compile-only checks size the stop table by `trie_states`; the sampler's is the automaton's."""
+    assert trie_states(stops) == build_stop_automaton(qwen25_tokenizer, stops).num_states
 
 
 def test_parse_query():

@@ -22,7 +22,7 @@ from sem_jax.protocol import RESEARCH, SEM
 from sem_jax.protocol.chat import chat_prompt
 from sem_jax.retrieval import Retriever
 from sem_jax.rl.loss import GRPOConfig, token_logprobs
-from sem_jax.rl.trainer import Trainer, OptimConfig
+from sem_jax.rl.trainer import OptimConfig, Trainer
 from sem_jax.rewards.rules import RewardParams, sem_reward
 from sem_jax.sft import finetune, pack
 from sem_jax.traces import build_traces
