@@ -22,12 +22,14 @@ from sem_jax.rewards.answers import score_answer
 def score_trajectory(t: Trajectory, ex: Example, protocol: Protocol = SEM) -> dict:
     p = protocol.parse(t.text, t.end_reason == "eos")
     em, f1 = score_answer(p.answer, ex)
-    return {"id": ex.id, "source": ex.source, "question": ex.question, "gold": list(ex.answers),
+    return {"id": ex.id, "source": ex.source, "needs_search": ex.needs_search, "question": ex.question,
+            "gold": list(ex.answers),
             "answer": p.answer, "valid": p.valid, "reason": p.reason, "em": em, "f1": f1, "searches": t.num_searches,
             "response_tokens": int(len(t.response_ids)), "end_reason": t.end_reason, "response": t.text}
 
 
-RECORD_KEYS = ("source", "em", "f1", "searches", "response_tokens", "valid", "reason", "end_reason")  # what `aggregate` reads
+RECORD_KEYS = ("source", "needs_search", "em", "f1", "searches", "response_tokens", "valid", "reason",
+               "end_reason")  # what `aggregate` reads
 
 
 def reason_key(reason: str) -> str:
@@ -48,14 +50,15 @@ def top_reasons(scores: dict[str, float], n: int) -> str:
 
 
 def aggregate(records: Sequence[dict]) -> dict[str, float]:
-    """Means overall and per source: em, f1, search_ratio (share with >= 1 search), searches/question,
-    response tokens, the share of valid responses and of responses cut by the budget (`length`);
-    and overall, the share of responses the parser rejected for each reason (`invalid/...`)."""
+    """Means overall, per source and per label (`known`: questions that need no search, `unknown`:
+    those that do): em, f1, search_ratio (share with >= 1 search), searches/question, response
+    tokens, the share of valid responses and of responses cut by the budget (`length`); and
+    overall, the share of responses the parser rejected for each reason (`invalid/...`)."""
     out: dict[str, float] = {}
     groups = defaultdict(list)
-    for r in records:
-        groups["all"].append(r)
-        groups[r["source"]].append(r)
+    for r in records:  # a source named for its label (the demo's) is one group
+        for name in {"all", r["source"], "unknown" if r["needs_search"] else "known"}:
+            groups[name].append(r)
     for name, rs in groups.items():
         sfx = "" if name == "all" else f"/{name}"
         out[f"em{sfx}"] = float(np.mean([r["em"] for r in rs]))

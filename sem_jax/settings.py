@@ -180,7 +180,11 @@ class Optim:
 class SFT:
     """The format warm start, `python -m sem_jax.sft` (sem_jax/traces.py)."""
     traces: int = setting(256, **POSITIVE)      # traces built (questions reused in shuffled rounds)
-    search_share: float = setting(0.5, **SHARE)  # of them searching (from needs_search questions)
+    search_share: float = setting(0.5, **SHARE)  # of them searching
+    # Which traces search. label: exactly those whose question needs_search (the warm start then
+    # teaches the decision itself); random: a search_share of them whatever the question (the
+    # format only, leaving GRPO the decision to learn).
+    decision: str = setting("label", choices=("label", "random"))
     steps: int = setting(64, **POSITIVE)
     rows: int = setting(8, **POSITIVE)          # packed rows per step
     width: int = setting(0, **COUNT)            # tokens per row; 0: the longest trace, bucketed, at least 256

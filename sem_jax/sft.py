@@ -185,7 +185,7 @@ def finetune(config: Config, out: str, *, overwrite: bool = False, dtype: str | 
     pairs, stats = build_traces(run.train_set, tokenizer, retriever, s.protocol, count=f.traces,
                                 search_share=f.search_share, top_k=config.retrieval.top_k,
                                 max_tokens_per_passage=config.retrieval.max_tokens_per_passage,
-                                system_prompt=s.system_prompt, seed=config.seed)
+                                system_prompt=s.system_prompt, seed=config.seed, decision=f.decision)
     print(f"warm start: {stats.summary()}", flush=True)
     report: dict[str, Any] = {"source": os.path.abspath(config.model.path), "traces": stats.__dict__,
                               "sft": dataclasses.asdict(f), "system_prompt": s.system_prompt}
@@ -212,8 +212,10 @@ def finetune(config: Config, out: str, *, overwrite: bool = False, dtype: str | 
 
 def _scores_line(when: str, m: dict[str, float], n: int) -> str:
     reasons = top_reasons(m, 3)
+    split = "".join(f", {label} {100 * m[f'search_ratio/{label}']:.0f}%" for label in ("known", "unknown")
+                    if f"search_ratio/{label}" in m)
     return (f"{when} the warm start, {n} held-out questions: valid {100 * m['valid']:.0f}%, EM {100 * m['em']:.1f}, "
-            f"search ratio {100 * m['search_ratio']:.0f}%" + (f"; invalid: {reasons}" if reasons else ""))
+            f"search ratio {100 * m['search_ratio']:.0f}%{split}" + (f"; invalid: {reasons}" if reasons else ""))
 
 
 def define_flags():

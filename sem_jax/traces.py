@@ -40,11 +40,14 @@ class TraceStats:
     search: int
     questions: int                   # distinct questions used
     answer_in_results: int           # search traces whose passages contain a gold answer
+    search_known: float = 0.0        # share of the traces of questions that need no search that search
+    search_unknown: float = 0.0      # share of the traces of questions that need search that search
 
     def summary(self) -> str:
         n = self.direct + self.search
         return (f"{n} traces from {self.questions} questions: {self.direct} direct, {self.search} with a search "
-                f"({100 * self.search / max(n, 1):.0f}%); the passages hold a gold answer in "
+                f"({100 * self.search / max(n, 1):.0f}%; {100 * self.search_known:.0f}% of the known questions' "
+                f"traces, {100 * self.search_unknown:.0f}% of the unknown ones'); the passages hold a gold answer in "
                 f"{self.answer_in_results} of {self.search} searches")
 
 
@@ -65,18 +68,26 @@ def _guess(ex: Example, pool: Sequence[Example], rng: np.random.RandomState) -> 
 
 def build_traces(examples: Sequence[Example], tokenizer, retriever, protocol: Protocol, *, count: int,
                  search_share: float, top_k: int, max_tokens_per_passage: int, system_prompt: str,
-                 seed: int = 0) -> tuple[list[Pair], TraceStats]:
-    """`count` traces, `round(count * search_share)` of them searching (drawn from the questions
-    that need search) and the rest direct (from those that do not), each pool walked in seeded
-    shuffled order and again when used up."""
+                 seed: int = 0, decision: str = "label") -> tuple[list[Pair], TraceStats]:
+    """`count` traces, `round(count * search_share)` of them searching and the rest direct.
+    `decision="label"`: the searching ones drawn from the questions that need search, the direct
+    ones from those that do not (the traces teach the decision); `"random"`: every trace drawn from
+    all questions and `round(count * search_share)` of them, chosen at random, searching whatever
+    the question (the traces teach the format alone). Pools are walked in seeded shuffled order,
+    and again when used up."""
     if protocol.name != "sem":
         raise ValueError(f"sem_jax.sft writes SEM's answer-first traces; protocol={protocol.name!r} has another "
                          "format")
     if not 0.0 <= search_share <= 1.0:
         raise ValueError(f"sft.search_share={search_share} must be in [0, 1]")
+    if decision not in ("label", "random"):
+        raise ValueError(f"sft.decision={decision!r}; choose label or random")
     rng = np.random.RandomState(seed)
     n_search = round(count * search_share)
-    pools = {True: [e for e in examples if e.needs_search], False: [e for e in examples if not e.needs_search]}
+    if decision == "random":  # one pool; which traces search is drawn apart from the questions
+        pools = {True: list(examples), False: list(examples)}
+    else:
+        pools = {True: [e for e in examples if e.needs_search], False: [e for e in examples if not e.needs_search]}
     for needs, n in ((True, n_search), (False, count - n_search)):
         if n and not pools[needs]:
             raise ValueError(f"{n} {'search' if needs else 'direct'} traces asked (sft.search_share={search_share}) "
@@ -86,18 +97,26 @@ def build_traces(examples: Sequence[Example], tokenizer, retriever, protocol: Pr
         by_source.setdefault(e.source, []).append(e)
     eos = tokenizer.eos_token or "<|im_end|>"
     enc = lambda s: tokenizer.encode(s, add_special_tokens=False)
-    picks = []
-    for needs, n in ((True, n_search), (False, count - n_search)):
-        order: list[int] = []
-        for _ in range(n):
+    picks: list[tuple[Example, bool]] = []  # (question, whether its trace searches)
+    if decision == "random":
+        order = []
+        searches = rng.permutation(count) < n_search
+        for search in searches:
             if not order:
-                order = list(rng.permutation(len(pools[needs])))
-            picks.append(pools[needs][order.pop()])
-    queries = [e.question for e in picks if e.needs_search]
+                order = list(rng.permutation(len(examples)))
+            picks.append((examples[order.pop()], bool(search)))
+    else:
+        for needs, n in ((True, n_search), (False, count - n_search)):
+            order = []
+            for _ in range(n):
+                if not order:
+                    order = list(rng.permutation(len(pools[needs])))
+                picks.append((pools[needs][order.pop()], needs))
+    queries = [e.question for e, search in picks if search]
     hits = iter(retriever.search(queries, top_k) if queries else [])
     pairs, found = [], 0
-    for ex in picks:
-        if ex.needs_search:
+    for ex, search in picks:
+        if search:
             passages = next(hits)
             block = protocol.format_results(passages, tokenizer, max_tokens_per_passage)
             gold = {normalize_answer(a) for a in ex.answers}
@@ -108,5 +127,8 @@ def build_traces(examples: Sequence[Example], tokenizer, retriever, protocol: Pr
         segments[-1] = (segments[-1][0] + eos, True)  # the response ends as the rollout's does
         pairs.append((protocol.encode_prompt(tokenizer, ex, system_prompt), [(enc(t), k) for t, k in segments]))
     order = rng.permutation(len(pairs))
-    return [pairs[i] for i in order], TraceStats(direct=count - n_search, search=n_search, questions=len({e.id for e in picks}),
-                                                 answer_in_results=found)
+    known = [search for e, search in picks if not e.needs_search]
+    unknown = [search for e, search in picks if e.needs_search]
+    return [pairs[i] for i in order], TraceStats(
+        direct=count - n_search, search=n_search, questions=len({e.id for e, _ in picks}), answer_in_results=found,
+        search_known=float(np.mean(known)) if known else 0.0, search_unknown=float(np.mean(unknown)) if unknown else 0.0)

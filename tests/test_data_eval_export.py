@@ -371,3 +371,18 @@ def test_prompts_over_the_cap_are_skipped_with_counts_and_refused_by_the_sampler
         in proc.stdout
     rows = load_questions(str(out / "sem_train.jsonl")) + load_questions(str(out / "sem_eval.jsonl"))
     assert len(rows) == 4 and not any("reading passage" in e.question for e in rows)
+
+
+def test_aggregate_splits_by_source_and_by_label():
+    """Scores per source and per label (known: needs no search; unknown: needs one), by hand."""
+    from sem_jax.policy_eval import aggregate
+    row = lambda source, needs, em, searches: dict(source=source, needs_search=needs, em=em, f1=em, searches=searches,
+                                                   response_tokens=10, valid=True, reason="", end_reason="eos")
+    records = [row("mmlu", False, 1.0, 0), row("mmlu", False, 0.0, 1), row("musique", True, 1.0, 1),
+               row("musique", True, 0.0, 0), row("musique", True, 1.0, 2),
+               row("known", False, 1.0, 0), row("unknown", True, 0.0, 1)]  # the demo names its sources by label
+    m = aggregate(records)
+    assert m["search_ratio"] == pytest.approx(4 / 7) and m["em"] == pytest.approx(4 / 7)
+    assert (m["search_ratio/mmlu"], m["search_ratio/musique"]) == (0.5, pytest.approx(2 / 3))
+    assert (m["search_ratio/known"], m["em/known"]) == (pytest.approx(1 / 3), pytest.approx(2 / 3))
+    assert (m["search_ratio/unknown"], m["em/unknown"], m["searches_per_q/unknown"]) == (0.75, 0.5, 1.0)

@@ -6,6 +6,7 @@ import os
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from flax import nnx
 
@@ -67,6 +68,32 @@ def test_traces_follow_the_protocol_and_earn_their_paths_reward(demo, qwen25_tok
     assert stats.questions == len({tuple(p) for p, _ in pairs})
     # Every search here finds its person's passage, which holds the answer.
     assert stats.answer_in_results == 12
+
+
+def test_format_only_traces_search_whatever_the_question(demo, qwen25_tokenizer):
+    """sft.decision=random: a search_share of the traces search, drawn apart from the questions'
+    labels, so the warm start teaches the format and leaves GRPO the decision."""
+    tok = qwen25_tokenizer
+    questions, retriever = demo
+    kw = dict(top_k=2, max_tokens_per_passage=24, system_prompt=PROMPT, seed=5)
+    by_prompt = {tuple(SEM.encode_prompt(tok, e, PROMPT)): e for e in questions}
+    label, _ = build_traces(questions, tok, retriever, SEM, count=200, search_share=0.5, **kw)
+    pairs, stats = build_traces(questions, tok, retriever, SEM, count=200, search_share=0.5, decision="random", **kw)
+    assert (stats.search, stats.direct) == (100, 100)
+    searched = {True: [], False: []}  # by the question's label
+    for prompt, segments in pairs:
+        ex = by_prompt[tuple(prompt)]
+        parsed = SEM.parse("".join(tok.decode(ids) for ids, _ in segments).removesuffix("<|im_end|>"))
+        assert parsed.valid and parsed.answer == ex.answers[0]  # every path ends with the gold answer
+        searched[ex.needs_search].append(parsed.num_searches > 0)
+    share = {k: np.mean(v) for k, v in searched.items()}
+    assert (stats.search_known, stats.search_unknown) == pytest.approx((share[False], share[True]))
+    assert 0.3 < share[False] < 0.7 and 0.3 < share[True] < 0.7  # near 0.5 on both, not 0 / 1
+    label_share = {k: np.mean([len(s) > 1 for p, s in label if by_prompt[tuple(p)].needs_search == k])
+                   for k in (True, False)}
+    assert label_share == {True: 1.0, False: 0.0}  # the label decides (the default)
+    with pytest.raises(ValueError, match="sft.decision='always'"):
+        build_traces(questions, tok, retriever, SEM, count=4, search_share=0.5, decision="always", **kw)
 
 
 def test_traces_refuse_what_they_cannot_build(demo, qwen25_tokenizer):
