@@ -56,8 +56,8 @@ def aggregate(records: Sequence[dict]) -> dict[str, float]:
     overall, the share of responses the parser rejected for each reason (`invalid/...`)."""
     out: dict[str, float] = {}
     groups = defaultdict(list)
-    for r in records:  # a source named for its label (the demo's) is one group
-        for name in {"all", r["source"], "unknown" if r["needs_search"] else "known"}:
+    for r in records:  # a source named for its label (the demo's) is one group; in a fixed order (the output's)
+        for name in dict.fromkeys(("all", r["source"], "unknown" if r["needs_search"] else "known")):
             groups[name].append(r)
     for name, rs in groups.items():
         sfx = "" if name == "all" else f"/{name}"
