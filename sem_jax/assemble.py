@@ -293,8 +293,8 @@ def cap_prompts(examples: Sequence[Example], protocol: Protocol, system_prompt: 
 def build_trainer(config: Config, model: Qwen2, s: Settings, mesh: Mesh, *, processes: int = 1,
                   per_layer: bool | None = None, unroll_head: int = 1) -> Trainer:
     return Trainer(model, s.grpo, s.optim, micro_batch=micro_batch(config, processes),
-                       logprob_chunk=config.rl.logprob_chunk, per_layer=per_layer,
-                       group_size=config.rollout.group_size, shards=batch_shards(mesh), unroll_head=unroll_head)
+                   logprob_chunk=config.rl.logprob_chunk, per_layer=per_layer, group_size=config.rollout.group_size,
+                   shards=batch_shards(mesh), unroll_head=unroll_head)
 
 
 # -- a run, built once for its purpose -----------------------------------------------------------
@@ -398,10 +398,11 @@ def build(config: Config, purpose: str, *, devices: Sequence | None = None, resu
         run.eval_set = process_share(eval_all, jax.process_index(), nproc)  # each process evaluates its share
         if not run.eval_set:
             raise ValueError(f"{nproc} processes need at least as many eval questions (data.eval_questions)")
-    run.calls = CallLog(config.train.debug_hosts)
+    if purpose == "train":  # every process's device calls, checked alike (train.debug_hosts)
+        run.calls = CallLog(config.train.debug_hosts)
     if evaluates or purpose == "evaluate":
         run.greedy = build_sampler(run.model, run.tokenizer, s.greedy, config, s.protocol, mesh=rollout_mesh,
-                                   calls=run.calls if purpose == "train" else None)
+                                   calls=run.calls)
     if purpose == "train":
         run.sampler = build_sampler(run.model, run.tokenizer, s.sampling, config, s.protocol, mesh=rollout_mesh,
                                     calls=run.calls)

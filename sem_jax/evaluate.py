@@ -35,7 +35,8 @@ from sem_jax.errors import exit_on_error
 from sem_jax.policy_eval import MODES, aggregate, all_records, run_mode
 from sem_jax.protocol import SEM, Protocol
 from sem_jax.sampling import RolloutConfig
-from sem_jax.settings import from_json, load
+from sem_jax.settings import load
+from sem_jax.settings import run_config as settings_of_run
 
 def results_table(results: dict[str, dict[str, dict[str, float]]], datasets: Sequence[str]) -> str:
     """Markdown: one row per mode, EM / F1 / SR (%) per data set, as the paper's tables."""
@@ -136,10 +137,7 @@ def run_config(checkpoint: str):
     """The config a run was trained with (`sem_jax.train` writes run_dir/config.json)."""
     if not os.path.isdir(checkpoint):
         raise app.UsageError(f"{os.path.abspath(checkpoint)}: no checkpoint directory there (a run's is run_dir/ckpt)")
-    path = os.path.join(checkpoint_run_dir(checkpoint), "config.json")
-    if not os.path.exists(path):
-        raise app.UsageError(f"{path}: not found; give --config (the model, retrieval and rollout settings)")
-    return from_json(path)
+    return settings_of_run(checkpoint_run_dir(checkpoint), "give --config (the model, retrieval and rollout settings)")
 
 
 def parse_modes(text: str) -> list[str]:

@@ -29,7 +29,8 @@ from sem_jax.assemble import init_model_config
 from sem_jax.model import Qwen2, save_pretrained
 from sem_jax.model.hf_io import read_config
 from sem_jax.model.tokenizer import load_tokenizer, save_tokenizer
-from sem_jax.settings import Config, from_json
+from sem_jax.settings import Config
+from sem_jax.settings import run_config as settings_of_run
 
 
 def define_flags():
@@ -47,10 +48,7 @@ FLAGS = flags.FLAGS
 
 def run_config(checkpoint: str) -> tuple[Config, str]:
     run_dir = checkpoint_run_dir(checkpoint)
-    path = os.path.join(run_dir, "config.json")
-    if not os.path.exists(path):
-        raise FileNotFoundError(f"{path}: not found; export reads the run's resolved config beside ckpt/")
-    return from_json(path), run_dir
+    return settings_of_run(run_dir, "export reads the run's resolved config beside ckpt/"), run_dir
 
 
 def _within(path: str, parent: str) -> bool:

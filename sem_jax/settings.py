@@ -12,6 +12,7 @@ import dataclasses
 import difflib
 import json
 import math
+import os
 import types
 import typing
 from typing import Any
@@ -327,9 +328,12 @@ def load(config: ConfigDict | dict) -> Config:
     return from_dict(config.to_dict() if isinstance(config, ConfigDict) else dict(config))
 
 
-def from_json(path: str) -> Config:
+def run_config(run_dir: str, hint: str) -> Config:
     """The config a run was trained with (`sem_jax.train` writes run_dir/config.json); fields newer
-    than the run keep their defaults."""
+    than the run keep their defaults. A run without one is refused, saying `hint` (what to do)."""
+    path = os.path.join(run_dir, "config.json")
+    if not os.path.exists(path):
+        raise ConfigError(f"{path}: not found; {hint}")
     with open(path) as fh:
         try:
             tree = json.load(fh)

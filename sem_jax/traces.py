@@ -84,12 +84,9 @@ def build_traces(examples: Sequence[Example], tokenizer, retriever, protocol: Pr
         raise ValueError(f"sft.decision={decision!r}; choose label or random")
     rng = np.random.RandomState(seed)
     n_search = round(count * search_share)
-    if decision == "random":  # one pool; which traces search is drawn apart from the questions
-        pools = {True: list(examples), False: list(examples)}
-    else:
-        pools = {True: [e for e in examples if e.needs_search], False: [e for e in examples if not e.needs_search]}
+    pools = {True: [e for e in examples if e.needs_search], False: [e for e in examples if not e.needs_search]}
     for needs, n in ((True, n_search), (False, count - n_search)):
-        if n and not pools[needs]:
+        if decision == "label" and n and not pools[needs]:  # random draws every trace from all questions
             raise ValueError(f"{n} {'search' if needs else 'direct'} traces asked (sft.search_share={search_share}) "
                              f"but no training question has needs_search={needs}")
     by_source: dict[str, list[Example]] = {}
