@@ -128,6 +128,13 @@ class Rollout:
     tensor: int = setting(0, **COUNT)
     # With `tensor`: the MLP's weights and an untied LM head split over every device, not one group's.
     spread: bool = False
+    # The rollout engine (sampling/rollout.py): decode slots per process (0: every row of the
+    # step), decode steps between host boundaries, retriever threads; `lockstep`: barriers at
+    # pauses and admissions (one static batch decoded until every row waits).
+    slots: int = setting(0, why="0: every row of the step", **COUNT)
+    chunk_steps: int = setting(16, **POSITIVE)
+    lockstep: bool = False
+    retrieval_threads: int = setting(4, **POSITIVE)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -200,8 +200,7 @@ def step_metrics(run: Run, state: TrainState, scored: Scored, m: dict, host: dic
                "adv/abs_mean": float(np.abs(adv).mean()),
                "groups/tied": tied / n_groups,  # all G rewards equal: zero advantage, no signal
                "tokens_per_s": sampled / max(scored.seconds, 1e-9), "time/step": seconds,
-               "time/rollout": scored.seconds, "time/retrieval": rs.retrieval_s, "pause_rounds": rs.pause_rounds,
-               "retriever_calls": rs.retriever_calls, "cut_blocks": rs.cut_blocks, **times}
+               "time/rollout": scored.seconds, **rs.metrics(), **times}
     metrics.update(aggregate(records))
     if run.config.peak_flops:
         flops = step_flops(run.model.config, sampled, train_tokens, state.ref_params is not None)

@@ -161,7 +161,7 @@ def test_scripted_rollout_two_searches(qwen25_tokenizer, retriever):
                                                    eos_ids=(IM_END,)))
     counting = CountingRetriever(retriever)
     trajs, stats = rollout(sampler, tok, counting, [prompt], jax.random.key(0), cfg)
-    assert len(trajs) == 3 and stats.pause_rounds == 2
+    assert len(trajs) == 3 and stats.retriever_calls == 2
     # Once per pause round, for all paused rows at once.
     assert counting.batches == [["capital of France"] * 3, ["highest mountain"] * 3]
     sampled = enc(t1) + enc(t2) + enc(t3) + [IM_END]
@@ -313,3 +313,104 @@ def test_research_protocol_rollout_inserts_researchs_blocks_and_scores_the_boxed
         assert get_reward(RESEARCH.reward)(parsed, ex, RewardParams()) == (1.0, "research_correct")
         rec = score_trajectory(t, ex, RESEARCH)
         assert rec["em"] == 1.0 and rec["valid"] and rec["searches"] == 1
+
+
+class SlowRetriever:
+    """A remote retriever's latency: `delay` seconds a call (the engine decodes meanwhile)."""
+
+    def __init__(self, inner, delay):
+        self.inner, self.delay = inner, delay
+
+    def search(self, queries, k):
+        import time
+        time.sleep(self.delay)
+        return self.inner.search(queries, k)
+
+
+def _scripted_workload(tok, rows, width, seed=0):
+    """Per row: free (sampled) tokens, with forced search tags or a forced EOS at varied positions."""
+    enc = lambda s: tok.encode(s, add_special_tokens=False)
+    rng = np.random.RandomState(seed)
+    script = np.full((rows, width), -1, np.int32)
+    for r in range(rows):
+        at = rng.randint(1, 6)
+        if r % 3 != 2:  # search once or twice
+            for query in (["capital of France"] if r % 3 == 0 else ["Nile", "highest mountain"]):
+                ids = enc(f"<search>{query}</search>")
+                script[r, at:at + len(ids)] = ids
+                at += len(ids) + rng.randint(2, 5)
+        script[r, at + rng.randint(2, 9)] = IM_END
+    return script
+
+
+@pytest.mark.parametrize("greedy", [True, False])
+def test_continuous_engine_samples_what_lockstep_samples(qwen25_tokenizer, retriever, greedy):
+    """Row-keyed draws: the same step's trajectories (tokens, masks, searches; log-probs within
+    1e-4) under the lockstep setting and under the continuous engine with fewer slots than rows
+    (groups split over boundaries), short chunks and a slow retriever answered beside decoding."""
+    from policies import Qwen2Config, random_qwen2
+
+    tok = qwen25_tokenizer
+    model = random_qwen2(3, Qwen2Config(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_layers=2,
+                                        num_heads=4, num_kv_heads=2, rope_theta=1e6), scale=0.2)
+    enc = lambda s: tok.encode(s, add_special_tokens=False)
+    prompts = [enc("Q: capital?"), enc("Where is the Nile and how high is Everest, and why?"), enc("x y")]
+    g = 3
+    script = _scripted_workload(tok, len(prompts) * g, 48)
+    sampler = Sampler(model, build_stop_automaton(tok, SEM.stop_strings),
+                      SamplingConfig(max_new_tokens=40, greedy=greedy, eos_ids=(IM_END,), max_inserted_tokens=200),
+                      window_steps=8)
+    base = dict(group_size=g, max_searches=1, top_k=1, max_tokens_per_passage=24, max_block_tokens=100,
+                max_note_tokens=16)
+    runs = {}
+    for name, extra, r in (("lockstep", dict(lockstep=True), retriever),
+                           ("all slots", dict(chunk_steps=4), SlowRetriever(retriever, 0.05)),
+                           ("4 slots", dict(slots=4, chunk_steps=3), SlowRetriever(retriever, 0.05)),
+                           ("5 slots", dict(slots=5, chunk_steps=7), retriever)):
+        trajs, stats = rollout(sampler, tok, r, prompts, jax.random.key(7), RolloutConfig(**base, **extra),
+                               script=script)
+        runs[name] = trajs, stats
+    want, lock = runs["lockstep"]
+    assert sum(t.num_searches for t in want) >= 6 and "eos" in {t.end_reason for t in want}
+    assert any(tok.decode(enc(LIMIT_NOTE)[:16]) in t.text for t in want)  # a second search got the note
+    assert len({len(t.response_ids) for t in want}) > 3  # rows of many lengths
+    for name, (got, stats) in runs.items():
+        assert [t.prompt_index for t in got] == [t.prompt_index for t in want]
+        for a, b in zip(got, want):
+            assert a.response_ids.tolist() == b.response_ids.tolist(), name
+            assert a.loss_mask.tolist() == b.loss_mask.tolist() and a.queries == b.queries, name
+            assert a.end_reason == b.end_reason and a.text == b.text, name
+            np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-4, err_msg=name)
+        # Every active slot-step samples one token: the sampled tokens are the active slot-steps.
+        assert stats.active_slot_steps == sum(int(t.loss_mask.sum()) for t in got), name
+    four = runs["4 slots"][1]
+    assert four.slot_steps == four.decode_steps * 4 and four.admissions == 9 - 4
+    assert four.prefills > len(prompts)  # groups of 3 split over 4 slots: a prompt prefilled again
+    if not greedy:  # the draws differ between rows of one group
+        assert len({tuple(t.response_ids.tolist()) for t in want[:g]}) > 1
+
+
+def test_lockstep_admits_a_new_batch_only_when_every_slot_is_free(qwen25_tokenizer, retriever):
+    """Lockstep with fewer slots than rows decodes the rows in successive batches: its slot-steps
+    are each batch's longest row times the slots; the continuous engine refills and needs fewer."""
+    from policies import Qwen2Config, random_qwen2
+
+    tok = qwen25_tokenizer
+    model = random_qwen2(1, Qwen2Config(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_layers=1,
+                                        num_heads=4, num_kv_heads=2, rope_theta=1e6), scale=0.2)
+    lengths = [2, 12, 3, 11, 4, 10, 5, 9]  # sampled tokens, EOS included
+    script = np.full((8, 16), -1, np.int32)
+    for r, n in enumerate(lengths):
+        script[r, n - 1] = IM_END
+    sampler = Sampler(model, build_stop_automaton(tok, SEM.stop_strings),
+                      SamplingConfig(max_new_tokens=16, greedy=True, eos_ids=(IM_END,)))
+    cfg = dict(group_size=2, max_searches=0, top_k=1, max_tokens_per_passage=8, max_block_tokens=64,
+               max_note_tokens=8, slots=2)
+    prompts = [[100 + i, 7] for i in range(4)]
+    (lock, ls), (cont, cs) = (rollout(sampler, tok, retriever, prompts, jax.random.key(0),
+                                      RolloutConfig(**cfg, lockstep=lockstep, chunk_steps=1), script=script)
+                              for lockstep in (True, False))
+    assert [len(t.response_ids) for t in lock] == lengths == [len(t.response_ids) for t in cont]
+    assert ls.decode_steps == sum(max(lengths[i], lengths[i + 1]) for i in range(0, 8, 2))  # 12 + 11 + 10 + 9
+    assert ls.active_slot_steps == cs.active_slot_steps == sum(lengths)
+    assert cs.decode_steps < ls.decode_steps and cs.occupancy > ls.occupancy

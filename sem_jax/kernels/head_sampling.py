@@ -36,8 +36,8 @@ def _hash(x: jax.Array) -> jax.Array:
 
 
 def gumbel_noise(seed, counter: jax.Array) -> jax.Array:
-    """Standard Gumbel noise, float32, for uint32 counters (row * vocabulary + token id) under two
-    uint32 seeds: a hash of both to 23 uniform bits, strictly inside (0, 1), then -log(-log u)."""
+    """Standard Gumbel noise, float32, for uint32 counters (token ids) under two uint32 seeds (a
+    row's): a hash of both to 23 uniform bits, strictly inside (0, 1), then -log(-log u)."""
     bits = _hash(_hash(counter ^ seed[0]) + seed[1])
     u = (jax.lax.shift_right_logical(bits, jnp.uint32(9)).astype(jnp.float32) + 0.5) * (1.0 / (1 << 23))
     return -jnp.log(-jnp.log(u))
@@ -48,7 +48,7 @@ def _plan(n: int, e: int, v: int, transposed: bool, item: int) -> int | None:
     [V, E], whole lanes for [E, V]) whose buffers fit `VMEM_BUDGET` beside the rows, else None."""
     step = 8 if transposed else 128
     for vb in range(min(BLOCK, v) // step * step, 0, -step):
-        if v % vb == 0 and 2 * item * (n * e + vb * e) + 6 * 4 * n * vb + 10 * 4 * n * 128 <= VMEM_BUDGET:
+        if v % vb == 0 and 2 * item * (n * e + vb * e) + 6 * 4 * n * vb + 14 * 4 * n * 128 <= VMEM_BUDGET:
             return vb
     return None
 
@@ -58,10 +58,10 @@ def fits(n: int, e: int, v: int, item: int) -> bool:
     return _plan(n, e, v, lanes_swapped((e, v)), item) is not None
 
 
-def _kernel(scalars_ref, h_ref, w_ref, m_ref, s_ref, best_ref, id_ref, pick_ref, *, scale: float, greedy: bool,
-            transposed: bool, block: int, vocab: int):
+def _kernel(scalars_ref, seed0_ref, seed1_ref, h_ref, w_ref, m_ref, s_ref, best_ref, id_ref, pick_ref, *,
+            scale: float, greedy: bool, transposed: bool, block: int):
     j = pl.program_id(0)
-    offset = scalars_ref[2]
+    offset = scalars_ref[0]
 
     @pl.when(j == 0)
     def _():
@@ -76,9 +76,8 @@ def _kernel(scalars_ref, h_ref, w_ref, m_ref, s_ref, best_ref, id_ref, pick_ref,
     col = j * block + jax.lax.broadcasted_iota(jnp.int32, x.shape, 1)  # in the device's slice
     score = x
     if not greedy:
-        row = jax.lax.broadcasted_iota(jnp.int32, x.shape, 0)
-        counter = (row * vocab + offset + col).astype(jnp.uint32)
-        seed = [scalars_ref[0].astype(jnp.uint32), scalars_ref[1].astype(jnp.uint32)]
+        counter = (offset + col).astype(jnp.uint32)  # the token id; the row is in its seeds
+        seed = [seed0_ref[...].astype(jnp.uint32), seed1_ref[...].astype(jnp.uint32)]  # [N, 1] each
         score = x + gumbel_noise(seed, counter)
     m_prev = m_ref[...]
     m_new = jnp.maximum(m_prev, jnp.max(x, axis=1, keepdims=True))
@@ -97,12 +96,13 @@ def _kernel(scalars_ref, h_ref, w_ref, m_ref, s_ref, best_ref, id_ref, pick_ref,
     pick_ref[...] = jnp.where(better, pick, pick_ref[...])
 
 
-def head_candidates(h: jax.Array, w: jax.Array, seed: jax.Array, offset: jax.Array, *, scale: float,
-                    greedy: bool, vocab: int, interpret: bool = False) -> tuple[jax.Array, ...]:
-    """For rows h [N, E] and a device's slice w [E, V] of the LM head (token ids offset..offset+V
-    of `vocab`; `offset` an int32 scalar), its candidate per row without writing the logits
-    x = (h @ w) * scale: (max x, sum exp(x - max), the best x + Gumbel noise (x when `greedy`),
-    its token id, its x), each [N]. `seed`: uint32 [2], the noise's key."""
+def head_candidates(h: jax.Array, w: jax.Array, seeds: jax.Array, offset: jax.Array, *, scale: float,
+                    greedy: bool, interpret: bool = False) -> tuple[jax.Array, ...]:
+    """For rows h [N, E] and a device's slice w [E, V] of the LM head (token ids offset..offset+V;
+    `offset` an int32 scalar), its candidate per row without writing the logits x = (h @ w) *
+    scale: (max x, sum exp(x - max), the best x + Gumbel noise (x when `greedy`), its token id,
+    its x), each [N]. `seeds`: uint32 [N, 2], each row's noise key (a function of the row alone,
+    so that a row draws the same wherever it lies)."""
     n, e = h.shape
     v = w.shape[1]
     transposed = lanes_swapped((e, v))
@@ -115,14 +115,15 @@ def head_candidates(h: jax.Array, w: jax.Array, seed: jax.Array, offset: jax.Arr
     cost = pl.CostEstimate(flops=2 * n * e * v, transcendentals=n * v * (1 if greedy else 3),
                            bytes_accessed=h.dtype.itemsize * (n * e + e * v) + 5 * 4 * n)
     out = pl.pallas_call(
-        functools.partial(_kernel, scale=scale, greedy=greedy, transposed=transposed, block=vb, vocab=vocab),
+        functools.partial(_kernel, scale=scale, greedy=greedy, transposed=transposed, block=vb),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=1, grid=(v // vb,),
-            in_specs=[pl.BlockSpec((n, e), lambda j, s: (0, 0)), w_spec],
+            in_specs=[row, row, pl.BlockSpec((n, e), lambda j, s: (0, 0)), w_spec],
             out_specs=[row] * 5),
         out_shape=[f32, f32, f32, i32, f32],
         compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary",), vmem_limit_bytes=VMEM_BUDGET + 2**22),
         cost_estimate=cost, interpret=interpret, name="head_candidates",
-    )(jnp.concatenate([jax.lax.bitcast_convert_type(seed.astype(jnp.uint32), jnp.int32),
-                       jnp.reshape(offset, (1,)).astype(jnp.int32)]), h, w.T if transposed else w)
+    )(jnp.reshape(offset, (1,)).astype(jnp.int32), *(jax.lax.bitcast_convert_type(seeds[:, i:i + 1].astype(jnp.uint32),
+                                                                               jnp.int32) for i in (0, 1)),
+      h, w.T if transposed else w)
     return tuple(o[:, 0] for o in out)

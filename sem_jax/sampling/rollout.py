@@ -1,13 +1,25 @@
-"""The search-aware rollout: the host loop around the compiled sampler.
+"""The search-aware rollout engine: the host loop around the compiled sampler.
 
-decode until rows pause at `</search>` -> parse their queries -> ONE batched
-retriever call -> tokenize the `<result>` blocks -> append them into the same KV
-cache -> resume. Sampled ids are kept as sampled (token-in, token-out); inserted
-ids are the tokenization of the inserted blocks and get loss mask 0.
+A step's rows (prompt x G) go through a fixed number of decode slots. Between host boundaries
+the device decodes up to `chunk_steps` tokens for every active slot. At a boundary the host
+collects the rows that ended (their slots free up), sends the queries of rows that paused at
+`</search>` to the retriever on a thread pool, and in ONE batched call appends the result blocks
+that are ready, ends rows and admits queued rows into the free slots (a prompt that several slots
+take is prefilled once). A row that waits for its results holds its slot but not the others.
+
+`lockstep=True` is the same engine with barriers: decoding runs until no row is active, the
+paused rows' queries go to the retriever together and are waited for, and rows are admitted only
+when every slot is free (with slots = rows: one static batch, as a lockstep sampler runs it).
+
+Sampled ids are kept as sampled (token-in, token-out); inserted ids are the tokenization of the
+inserted blocks and get loss mask 0. A row's random draws are keyed by (key, row, position)
+(`sampler.row_keys`), so its tokens do not depend on its slot, its neighbours or the setting.
 """
 
 from __future__ import annotations
 
+import collections
+import concurrent.futures
 import dataclasses
 import time
 from collections.abc import Sequence
@@ -17,7 +29,7 @@ import numpy as np
 
 from sem_jax import hosts
 from sem_jax.protocol import SEM, Protocol
-from sem_jax.sampling.sampler import Sampler
+from sem_jax.sampling.sampler import Sampler, bucket_length
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,6 +41,10 @@ class RolloutConfig:
     max_tokens_per_passage: int
     max_block_tokens: int          # one search's inserted block at most (passages cut to fit: counted)
     max_note_tokens: int           # the limit note at most
+    slots: int = 0                 # decode slots per process; 0: every row of the step
+    chunk_steps: int = 16          # decode steps between host boundaries (not with lockstep)
+    lockstep: bool = False         # barriers at pauses and admissions (see the module docstring)
+    retrieval_threads: int = 4     # host threads that run retriever calls beside decoding
 
 
 @dataclasses.dataclass
@@ -42,94 +58,233 @@ class Trajectory:
     queries: list[str]
     text: str                  # the decoded response (special tokens dropped)
     end_reason: str            # "eos", "length" or "search_limit"
+    seconds: float = 0.0       # from admission to end
 
 
 @dataclasses.dataclass
 class RolloutStats:
-    decode_s: float = 0.0
-    retrieval_s: float = 0.0
-    insert_s: float = 0.0
-    pause_rounds: int = 0
+    rollout_s: float = 0.0
+    decode_s: float = 0.0          # in decode calls (device time and its waits)
+    insert_s: float = 0.0          # in refill calls: appends and admissions
+    retrieval_s: float = 0.0       # spent in retriever calls (on the pool's threads)
+    retrieval_wait_s: float = 0.0  # the host waited for results with nothing to decode
+    boundaries: int = 0            # host boundaries with device work for the host
+    decode_steps: int = 0
+    slot_steps: int = 0            # decode steps x slots (all processes')
+    active_slot_steps: int = 0     # ... in which the slot decoded a row
+    admissions: int = 0            # rows admitted after the first fill
+    prefills: int = 0              # prompt prefills (a group split over boundaries costs more than one)
+    inserts: int = 0               # result blocks and notes appended
+    refills: int = 0               # refill calls
     retriever_calls: int = 0
     cut_blocks: int = 0            # result blocks whose passages were cut shorter to fit max_block_tokens
+    searched_tokens: int = 0       # sampled tokens of rows that searched ...
+    searched_s: float = 0.0        # ... and those rows' seconds (admission to end)
+    direct_tokens: int = 0
+    direct_s: float = 0.0
+
+    @property
+    def occupancy(self) -> float:
+        """Active slot-steps / slot-steps."""
+        return self.active_slot_steps / max(self.slot_steps, 1)
+
+    @property
+    def retrieval_hidden_s(self) -> float:
+        """Retrieval seconds spent while the device decoded other rows."""
+        return max(0.0, self.retrieval_s - self.retrieval_wait_s)
+
+    def metrics(self) -> dict[str, float]:
+        """The per-step metrics (metrics.jsonl, TensorBoard)."""
+        per = max(self.refills, 1)
+        return {"rollout/seconds": self.rollout_s, "rollout/occupancy": self.occupancy,
+                "rollout/decode_steps": self.decode_steps, "rollout/admissions_per_refill": self.admissions / per,
+                "rollout/inserts_per_refill": self.inserts / per, "rollout/prefills": self.prefills,
+                "rollout/retrieval_hidden_s": self.retrieval_hidden_s, "rollout/retrieval_wait_s": self.retrieval_wait_s,
+                "rollout/searched_tokens_per_s": self.searched_tokens / max(self.searched_s, 1e-9),
+                "rollout/direct_tokens_per_s": self.direct_tokens / max(self.direct_s, 1e-9),
+                "time/retrieval": self.retrieval_s, "retriever_calls": self.retriever_calls,
+                "cut_blocks": self.cut_blocks}
+
+
+@dataclasses.dataclass
+class _Row:
+    """A row's host-side record while it is rolled out."""
+    searches: int = 0
+    refused: bool = False
+    ended_by_limit: bool = False
+    queries: list[str] = dataclasses.field(default_factory=list)
+    admitted: float = 0.0
+
+
+def _answer(retriever, protocol: Protocol, tokenizer, texts: list[str], cfg: RolloutConfig):
+    """One retriever call for the queries in `texts` (run on the pool): (queries, blocks, cut, seconds)."""
+    t0 = time.perf_counter()
+    qs = [protocol.parse_query(t) for t in texts]
+    results = retriever.search(qs, cfg.top_k)
+    blocks, cut = [], 0
+    for q, res in zip(qs, results):
+        ids, shortened = protocol.block_ids(q, res, tokenizer, cfg.max_tokens_per_passage, cfg.max_block_tokens)
+        blocks.append(ids)
+        cut += shortened
+    return qs, blocks, cut, time.perf_counter() - t0
 
 
 def rollout(sampler: Sampler, tokenizer, retriever, prompts: Sequence[Sequence[int]], key: jax.Array,
-            cfg: RolloutConfig, protocol: Protocol = SEM) -> tuple[list[Trajectory], RolloutStats]:
+            cfg: RolloutConfig, protocol: Protocol = SEM,
+            script: np.ndarray | None = None) -> tuple[list[Trajectory], RolloutStats]:
     """G trajectories per prompt (row = prompt * G + g), with searches answered by `retriever`;
-    `protocol` reads the queries and writes the inserted blocks.
+    `protocol` reads the queries and writes the inserted blocks. `script` [rows, S]: tokens forced
+    at each row's sampled positions (-1: sampled; `sampler.decode_step`), for scripted workloads;
+    indexed by the row's id over every process (process p's rows follow those of processes < p).
 
     On a multi-process run each process passes its own prompts and gets its own trajectories;
     prompts are padded (with repeats, rolled out and dropped) to the same count everywhere and
-    to a multiple of the process's batch shards."""
+    to a multiple of the process's batch shards; boundaries are agreed between processes."""
     if not prompts:
         raise ValueError("rollout needs at least one prompt (on every process)")
+    t_start = time.perf_counter()
     stats = RolloutStats()
     g = cfg.group_size
     real = len(prompts) * g
+    multiple = sampler.row_multiple()
     per = hosts.agree_max(len(prompts))
-    while (per * g) % sampler.row_multiple():
+    while (per * g) % multiple:
         per += 1
-    state = sampler.start(list(prompts) + [prompts[-1]] * (per - len(prompts)), g, key)
-    b = per * g
+    padded = list(prompts) + [prompts[-1]] * (per - len(prompts))
+    n_rows = per * g
+    slots = min(hosts.agree_max(-(-(cfg.slots or n_rows) // multiple) * multiple), n_rows)
+    offset = jax.process_index() * n_rows  # this process's rows in the global row ids
+    forced = None if script is None else sampler.replicated(np.asarray(script, np.int32))
+    rows = [_Row() for _ in range(n_rows)]
+    out: dict[int, Trajectory] = {}
+    slot_row = np.full(slots, -1)
     room = sampler.config.response_tokens  # sampled and inserted
-    searches = np.zeros(b, int)
-    refused = np.zeros(b, bool)
-    ended_by_limit = np.zeros(b, bool)
-    queries: list[list[str]] = [[] for _ in range(b)]
     note_ids = tokenizer.encode(protocol.limit_note, add_special_tokens=False)[:cfg.max_note_tokens]
-    while True:
-        t0 = time.perf_counter()
-        state = sampler.decode(state)
-        any_paused = sampler.any_paused(state)  # on any process: all take part in the insert
-        stats.decode_s += time.perf_counter() - t0
-        if not any_paused:
-            break
-        stats.pause_rounds += 1
-        paused = sampler.local(state.paused)
-        resp, lens = sampler.local(state.resp), sampler.local(state.resp_len)
-        blocks: list[list[int]] = [[] for _ in range(b)]
-        end = np.zeros(b, bool)
-        ask = []
-        for row in np.flatnonzero(paused):
-            if row >= real:  # a padding row: end it, no retrieval
-                end[row] = True
-            elif searches[row] < cfg.max_searches:
-                ask.append(row)
-            elif not refused[row]:
-                blocks[row], refused[row] = list(note_ids), True
-            else:  # asked again after the note: stop the row
-                end[row] = ended_by_limit[row] = True
-        if ask:  # this process's rows only: every host searches for its own
+    if slots == n_rows:  # every row in a slot from the start: each prompt prefilled once for its group
+        state = sampler.start(padded, g, key)
+        slot_row[:] = np.arange(n_rows)
+        queue: collections.deque[int] = collections.deque()
+        stats.prefills = len(prompts)
+    else:  # padding rows are never admitted: rows past `real` just end
+        width = hosts.agree_max(bucket_length(max(len(p) for p in prompts)))
+        state = sampler.empty(slots, width, key)
+        queue = collections.deque(range(real))
+    now = time.perf_counter()
+    for r in slot_row[slot_row >= 0]:
+        rows[r].admitted = now
+    pending: list[tuple[concurrent.futures.Future, list[int]]] = []  # (job, its rows)
+    asked = np.zeros(slots, bool)  # the slot's paused row has been answered or asked for
+    first_fill = slots < n_rows
+    pool = concurrent.futures.ThreadPoolExecutor(max(1, cfg.retrieval_threads), thread_name_prefix="retrieval")
+    try:
+        while True:
+            # The host's side of a boundary: what ended, what paused, what is ready.
+            paused, done, lens = sampler.flags(state)
+            blocks: list[list[int]] = [[] for _ in range(slots)]
+            end, resume = np.zeros(slots, bool), np.zeros(slots, bool)
+            finished = [s for s in range(slots) if slot_row[s] >= 0 and done[s]]
+            if finished:
+                _collect(sampler, state, tokenizer, finished, slot_row, rows, prompts, g, real, out, stats)
+                slot_row[finished] = -1
+            ask = []
+            for s in np.flatnonzero(paused & ~asked & (slot_row >= 0)):
+                row, asked[s] = slot_row[s], True
+                if row >= real:  # a padding row: end it, no retrieval
+                    end[s] = True
+                elif rows[row].searches < cfg.max_searches:
+                    ask.append(s)
+                elif not rows[row].refused:
+                    blocks[s], rows[row].refused, resume[s] = list(note_ids), True, True
+                else:  # asked again after the note: stop the row
+                    end[s] = rows[row].ended_by_limit = True
+            if ask:  # this process's rows only: every host searches for its own
+                resp = sampler.local(state.resp)
+                texts = [tokenizer.decode(resp[s, :lens[s]].tolist(), skip_special_tokens=True) for s in ask]
+                pending.append((pool.submit(_answer, retriever, protocol, tokenizer, texts, cfg), ask))
+                stats.retriever_calls += 1
+            idle = not (~paused & ~done).any() and not resume.any() and not (queue and (slot_row < 0).any())
+            # Lockstep waits for every answer; the continuous engine takes those that are ready and
+            # waits only when no slot has anything to decode.
+            if pending and (cfg.lockstep or (idle and not any(f.done() for f, _ in pending))):
+                t0 = time.perf_counter()
+                concurrent.futures.wait([f for f, _ in pending],
+                                        return_when="ALL_COMPLETED" if cfg.lockstep else "FIRST_COMPLETED")
+                stats.retrieval_wait_s += time.perf_counter() - t0
+            for job in [p for p in pending if p[0].done()]:
+                pending.remove(job)
+                (qs, got, cut, seconds), ask = job[0].result(), job[1]
+                stats.retrieval_s += seconds
+                stats.cut_blocks += cut
+                for s, q, blk in zip(ask, qs, got):
+                    row = rows[slot_row[s]]
+                    row.searches += 1
+                    row.queries.append(q)
+                    blocks[s], resume[s] = blk, True
+            for s in range(slots):  # the buffer holds every search's block when max_inserted_tokens is sized so
+                blocks[s] = blocks[s][:max(0, room - int(lens[s]))]
+            free = np.flatnonzero(slot_row < 0)
+            admit = []
+            if queue and len(free) and (not cfg.lockstep or len(free) == slots):
+                for s in free[:len(queue)]:
+                    row = queue.popleft()
+                    admit.append((int(s), padded[row // g], offset + row))
+                    slot_row[s] = row
+                    asked[s] = False
+                stats.prefills += len({row // g for _, _, row in admit})  # offset is a multiple of g
+                stats.admissions += 0 if first_fill else len(admit)
+                first_fill = False
+            asked[end | resume] = False
+            work = bool(admit) or end.any() or resume.any()
+            if hosts.agree_max(int(work)):
+                t0 = time.perf_counter()
+                state = sampler.refill(state, blocks, end, resume, admit)
+                jax.block_until_ready(state.resp_len)  # time the appends, not their dispatch
+                stats.insert_s += time.perf_counter() - t0
+                stats.refills += 1
+                stats.inserts += int(sum(1 for b in blocks if b))
+                now = time.perf_counter()
+                for _, _, row in admit:
+                    rows[row - offset].admitted = now
+            live = bool(queue) or bool(pending) or (slot_row >= 0).any()
+            if not hosts.agree_max(int(live)):
+                break
             t0 = time.perf_counter()
-            texts = [tokenizer.decode(resp[r, :lens[r]].tolist(), skip_special_tokens=True) for r in ask]
-            qs = [protocol.parse_query(t) for t in texts]
-            results = retriever.search(qs, cfg.top_k)  # once per pause round, for every row
-            stats.retriever_calls += 1
-            for row, q, res in zip(ask, qs, results):
-                blocks[row], shortened = protocol.block_ids(q, res, tokenizer, cfg.max_tokens_per_passage,
-                                                            cfg.max_block_tokens)
-                stats.cut_blocks += shortened
-                searches[row] += 1
-                queries[row].append(q)
-            stats.retrieval_s += time.perf_counter() - t0
-        for row in range(b):  # the buffer holds every search's block when max_inserted_tokens is sized so
-            blocks[row] = blocks[row][:max(0, room - int(lens[row]))]
-        t0 = time.perf_counter()
-        state = sampler.insert(state, blocks, end)
-        jax.block_until_ready(state.resp_len)  # time the append-prefill, not its dispatch (decode syncs next anyway)
-        stats.insert_s += time.perf_counter() - t0
+            state, steps, busy = sampler.decode_counted(state, None if cfg.lockstep else cfg.chunk_steps, forced)
+            stats.decode_s += time.perf_counter() - t0
+            stats.decode_steps += steps
+            stats.slot_steps += steps * slots * jax.process_count()
+            stats.active_slot_steps += busy
+            stats.boundaries += 1
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+    stats.rollout_s = time.perf_counter() - t_start
+    return [out[r] for r in range(real)], stats
 
+
+def _collect(sampler: Sampler, state, tokenizer, finished: list[int], slot_row: np.ndarray, rows: list[_Row],
+             prompts: Sequence[Sequence[int]], g: int, real: int, out: dict[int, Trajectory],
+             stats: RolloutStats) -> None:
+    """The trajectories of the rows that ended in `finished` slots (padding rows dropped)."""
     resp, lp, sampled, lens, eos = (sampler.local(x) for x in (state.resp, state.resp_logprob, state.resp_sampled,
-                                                                  state.resp_len, state.eos))
-    out = []
-    for row in range(real):
-        n = int(lens[row])
-        ids = resp[row, :n].astype(np.int32)
-        reason = "search_limit" if ended_by_limit[row] else "eos" if eos[row] else "length"
-        out.append(Trajectory(
-            prompt_index=row // g, prompt_ids=list(prompts[row // g]), response_ids=ids,
-            loss_mask=sampled[row, :n].astype(np.int8), logprobs=lp[row, :n].astype(np.float32),
-            num_searches=int(searches[row]), queries=queries[row],
-            text=tokenizer.decode(ids.tolist(), skip_special_tokens=True), end_reason=reason))
-    return out, stats
+                                                                 state.resp_len, state.eos))
+    now = time.perf_counter()
+    for s in finished:
+        row = int(slot_row[s])
+        if row >= real:
+            continue
+        n = int(lens[s])
+        ids = resp[s, :n].astype(np.int32)
+        rec = rows[row]
+        reason = "search_limit" if rec.ended_by_limit else "eos" if eos[s] else "length"
+        mask = sampled[s, :n].astype(np.int8)
+        t = out[row] = Trajectory(
+            prompt_index=row // g, prompt_ids=list(prompts[row // g]), response_ids=ids, loss_mask=mask,
+            logprobs=lp[s, :n].astype(np.float32), num_searches=rec.searches, queries=rec.queries,
+            text=tokenizer.decode(ids.tolist(), skip_special_tokens=True), end_reason=reason,
+            seconds=now - rec.admitted)
+        if t.num_searches:
+            stats.searched_tokens += int(mask.sum())
+            stats.searched_s += t.seconds
+        else:
+            stats.direct_tokens += int(mask.sum())
+            stats.direct_s += t.seconds

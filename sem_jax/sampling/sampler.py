@@ -78,8 +78,9 @@ class SamplerState:
     stop_state: jax.Array  # [B] int32: automaton state
     paused: jax.Array      # [B] bool: wrote a stop string, waits for the host
     eos: jax.Array         # [B] bool: ended by an EOS token
-    done: jax.Array        # [B] bool: ended (EOS, length, or by the host)
-    key: jax.Array
+    done: jax.Array        # [B] bool: ended (EOS, length, or by the host); an empty slot is done
+    row: jax.Array         # [B] int32: the row (prompt * G + g over every process) a slot decodes; -1: none
+    key: jax.Array         # the rollout's key: a row's draw at its n-th sampled token is keyed by (key, row, n)
 
     @property
     def active(self) -> jax.Array:
@@ -124,8 +125,20 @@ def max_argmax(x: jax.Array, width: int | None = None) -> tuple[jax.Array, jax.A
     return top, c * width + first((block == top) | jnp.isnan(block), width)
 
 
+def row_keys(key: jax.Array, rows: jax.Array, position: jax.Array) -> jax.Array:
+    """One key per row [B] from the rollout's `key`, each row's id and its token position: a row's
+    draws depend on neither its slot, its neighbours nor when it was admitted."""
+    return jax.vmap(lambda r, n: jax.random.fold_in(jax.random.fold_in(key, r), n))(rows, position)
+
+
+def _uniforms(key: jax.Array, b: int) -> jax.Array:
+    """[b] uniforms: one per row from per-row keys [b], or b from one key."""
+    return jax.vmap(jax.random.uniform)(key) if key.ndim else jax.random.uniform(key, (b,))
+
+
 def sample_tokens(logits: jax.Array, key: jax.Array, cfg: SamplingConfig) -> tuple[jax.Array, jax.Array]:
-    """Sample one token per row; returns (ids [B], logprob [B] under the temperature-scaled distribution)."""
+    """Sample one token per row; returns (ids [B], logprob [B] under the temperature-scaled
+    distribution). `key`: one key, or one per row (`row_keys`)."""
     scaled = logits if cfg.greedy else logits / cfg.temperature
     if cfg.whole_vocabulary:
         # Token and log-prob straight from exp(x - max): no [B, V] log-softmax on the way.
@@ -164,7 +177,9 @@ def _local_candidates(x: jax.Array, key: jax.Array, offset: jax.Array, scale: fl
     m = jnp.max(x, -1) * scale
     score = x * scale
     if not greedy:
-        score = score + jax.random.gumbel(key, x.shape)
+        noise = (jax.vmap(lambda k: jax.random.gumbel(k, x.shape[1:]))(key) if key.ndim
+                 else jax.random.gumbel(key, x.shape))
+        score = score + noise
     ids = jax.lax.broadcasted_iota(jnp.int32, x.shape, 1)
     sums, best, j = jax.lax.reduce((jnp.exp(x * scale - m[:, None]), score, ids),
                                    (jnp.float32(0), jnp.float32(-jnp.inf), jnp.int32(0)), _sum_argmax, (1,))
@@ -214,33 +229,38 @@ def sample_spread(logits: jax.Array | None, key: jax.Array, cfg: SamplingConfig,
 
     def local(x, key):
         offset = index(vocab) * x.shape[-1]
-        return combine(*_local_candidates(x, jax.random.fold_in(key, index(rows + vocab)), offset, scale, cfg.greedy))
+        key = (jax.vmap(lambda k: jax.random.fold_in(k, index(vocab)))(key) if key.ndim
+               else jax.random.fold_in(key, index(rows + vocab)))
+        return combine(*_local_candidates(x, key, offset, scale, cfg.greedy))
 
     P = jax.sharding.PartitionSpec
     out = P(spec[0] if spec else None)
+    key_spec = out if key.ndim else P()  # per-row keys lie with their rows
     if head is None:
         if mesh.empty:
             return local(logits, key)
-        return jax.shard_map(local, mesh=mesh, in_specs=(spec, P()), out_specs=(out, out), check_vma=False)(logits, key)
+        return jax.shard_map(local, mesh=mesh, in_specs=(spec, key_spec), out_specs=(out, out),
+                             check_vma=False)(logits, key)
     hidden, weight, mode = head
-    total_vocab = weight.shape[1]
 
     def local_head(h, w, key):
-        seed = jax.random.key_data(key).reshape(-1)[:2]
-        return combine(*head_candidates(h, w, seed, index(vocab) * w.shape[1], scale=scale,
-                                                    greedy=cfg.greedy, vocab=total_vocab, interpret=mode == "interpret"))
+        if not key.ndim:  # one key: each row's own from it and the row's place among all rows
+            key = jax.vmap(lambda r: jax.random.fold_in(key, r))(index(rows) * h.shape[0] + jnp.arange(h.shape[0]))
+        seeds = jax.random.key_data(key).reshape(h.shape[0], -1)[:, :2]
+        return combine(*head_candidates(h, w, seeds, index(vocab) * w.shape[1], scale=scale, greedy=cfg.greedy,
+                                        interpret=mode == "interpret"))
 
     if mesh.empty:
         return local_head(hidden, weight, key)
     h_spec = P(spec[0] if spec else None)
     w_spec = logical_to_spec(("embed", "head_vocab"), weight.shape, dict(mesh.shape))
-    return jax.shard_map(local_head, mesh=mesh, in_specs=(h_spec, w_spec, P()), out_specs=(out, out),
+    return jax.shard_map(local_head, mesh=mesh, in_specs=(h_spec, w_spec, key_spec), out_specs=(out, out),
                          check_vma=False)(hidden, weight, key)
 
 
 def _inverse_cdf(probs: jax.Array, key: jax.Array, width: int | None = None) -> jax.Array:
     """Categorical sample per row from unnormalised probabilities [B, V] (a row's largest
-    entry > 0) with ONE uniform per row.
+    entry > 0) with ONE uniform per row (`key`: one key, or one per row).
 
     Gumbel-max needs a random number per vocabulary entry (7x slower on CPU than this) and a
     flat cumsum over the vocabulary is slow on CPU; so the CDF is walked in two levels: cumsum
@@ -253,7 +273,7 @@ def _inverse_cdf(probs: jax.Array, key: jax.Array, width: int | None = None) -> 
     p = jnp.pad(probs, ((0, 0), (0, chunks * width - v))).reshape(b, chunks, width)
     sums = p.sum(-1)
     csum = jnp.cumsum(sums, -1)
-    u = jax.random.uniform(key, (b,)) * csum[:, -1]
+    u = _uniforms(key, b) * csum[:, -1]
     c = jnp.minimum(jnp.sum(csum <= u[:, None], -1), chunks - 1)
     # Float rounding can carry a uniform at the top of its range past the last entry with mass
     # (into an empty last chunk, or past a chunk's last nonzero entry): the walk then stops at
@@ -278,35 +298,90 @@ def _extend_last(model: Qwen2, layers, tokens, cache, n, window: int) -> tuple[j
 
 def _prefill(graphdef, params, layers, prompts, lengths, key, *, group_size: int, cache_len: int,
              resp_len: int, cache_dtype) -> SamplerState:
+    """Prefill each prompt once into G rows (row = prompt * G + g, over every process's rows)."""
     model: Qwen2 = nnx.merge(graphdef, params)
     p = prompts.shape[0]
     cache = model.init_cache(p, cache_len, cache_dtype, per_layer=layers is not None)
     last, cache = _extend_last(model, layers, prompts, cache, lengths, window=0)  # nothing to read yet
     # Each prompt is prefilled once; its cache is copied to its G group members.
-    cache = cache.repeat_rows(group_size)
     b = p * group_size
-    state = SamplerState(
-        cache=cache, hidden=jnp.repeat(last, group_size, axis=0),
-        resp=jnp.zeros((b, resp_len), jnp.int32), resp_logprob=jnp.zeros((b, resp_len), jnp.float32),
-        resp_sampled=jnp.zeros((b, resp_len), bool), resp_len=jnp.zeros((b,), jnp.int32),
-        num_sampled=jnp.zeros((b,), jnp.int32), stop_state=jnp.zeros((b,), jnp.int32), paused=jnp.zeros((b,), bool),
-        eos=jnp.zeros((b,), bool), done=jnp.zeros((b,), bool), key=key)
-    # Rows stay split over the batch axes as the prompts were (row = prompt * G + g keeps a
-    # process's groups on its own devices); decode and insert inherit this layout.
+    return _laid_out(SamplerState(
+        cache=cache.repeat_rows(group_size), hidden=jnp.repeat(last, group_size, axis=0),
+        **_fresh_rows(b, resp_len), done=jnp.zeros((b,), bool), row=jnp.arange(b, dtype=jnp.int32), key=key))
+
+
+def _fresh_rows(b: int, resp_len: int) -> dict[str, jax.Array]:
+    """The per-row fields of rows that have sampled nothing yet."""
+    zeros = lambda *shape, dtype=jnp.int32: jnp.zeros(shape, dtype)
+    return dict(resp=zeros(b, resp_len), resp_logprob=zeros(b, resp_len, dtype=jnp.float32),
+                resp_sampled=zeros(b, resp_len, dtype=bool), resp_len=zeros(b), num_sampled=zeros(b),
+                stop_state=zeros(b), paused=zeros(b, dtype=bool), eos=zeros(b, dtype=bool))
+
+
+def _laid_out(state: SamplerState) -> SamplerState:
+    """Rows split over the batch axes as the prompts were (row = prompt * G + g keeps a process's
+    groups on its own devices); decode and insert inherit this layout."""
     rows = lambda x: constrain(x, ("batch",) + ("length",) * (x.ndim - 1))
     fields = {f.name: rows(getattr(state, f.name)) for f in dataclasses.fields(state)
               if f.name not in ("cache", "key")}
-    k_axes, v_axes = cache_axes(cache.per_layer)
+    k_axes, v_axes = cache_axes(state.cache.per_layer)
     kv = lambda c, axes: jax.tree.map(lambda x: constrain(x, axes), c)
     cache = KVCache(k=kv(state.cache.k, k_axes), v=kv(state.cache.v, v_axes), lengths=rows(state.cache.lengths))
-    return SamplerState(cache=cache, key=key, **fields)
+    return SamplerState(cache=cache, key=state.key, **fields)
+
+
+def _empty(graphdef, params, key, *, slots: int, cache_len: int, resp_len: int, cache_dtype,
+           per_layer: bool) -> SamplerState:
+    """`slots` empty slots (done, no row) with a cache of `cache_len` positions each: rows come in
+    through `_admit`."""
+    model: Qwen2 = nnx.merge(graphdef, params)
+    e = model.config.hidden_size
+    return _laid_out(SamplerState(
+        cache=model.init_cache(slots, cache_len, cache_dtype, per_layer=per_layer),
+        hidden=jnp.zeros((slots, e), cache_dtype), **_fresh_rows(slots, resp_len), done=jnp.ones((slots,), bool),
+        row=jnp.full((slots,), -1, jnp.int32), key=key))
+
+
+def _admit(model: Qwen2, layers, state: SamplerState, prompts, lengths, src, rows) -> SamplerState:
+    """Start row `rows[b]` in each slot b with `src[b] >= 0`: prompt `src[b]` of `prompts` [P, W]
+    (`lengths` [P]), prefilled once however many slots take it, into the slot's first W cache
+    positions; the slot's response starts empty. Other slots are left as they are."""
+    cache = state.cache
+    small = model.init_cache(prompts.shape[0], prompts.shape[1], cache.v[0].dtype if cache.per_layer else cache.v.dtype,
+                             per_layer=cache.per_layer)
+    last, small = _extend_last(model, layers, prompts, small, lengths, window=0)
+    take = src >= 0
+    at = jnp.maximum(src, 0)
+    w = prompts.shape[1]
+
+    def put(big, part, batch_axis, length_axis):  # the first w positions of the taking slots
+        part = jnp.take(part, at, axis=batch_axis)
+        mask = take.reshape([-1 if a == batch_axis else 1 for a in range(big.ndim)])
+        head = jax.lax.slice_in_dim(big, 0, w, axis=length_axis)
+        return jax.lax.dynamic_update_slice_in_dim(big, jnp.where(mask, part, head), 0, axis=length_axis)
+
+    if cache.per_layer:
+        k = tuple(put(a, b, 0, 3) for a, b in zip(cache.k, small.k))
+        v = tuple(put(a, b, 0, 2) for a, b in zip(cache.v, small.v))
+    else:
+        k, v = put(cache.k, small.k, 1, 2), put(cache.v, small.v, 1, 2)
+    fresh = _fresh_rows(state.resp.shape[0], state.resp.shape[1])
+    pick = lambda new, old: jnp.where(take.reshape((-1,) + (1,) * (old.ndim - 1)), new, old)
+    return dataclasses.replace(
+        state, cache=KVCache(k=k, v=v, lengths=pick(jnp.take(small.lengths, at), cache.lengths)),
+        hidden=pick(jnp.take(last, at, axis=0), state.hidden),
+        **{name: pick(x, getattr(state, name)) for name, x in fresh.items() if name not in ("resp", "resp_logprob",
+                                                                                           "resp_sampled")},
+        done=state.done & ~take, row=jnp.where(take, rows, state.row))
 
 
 def decode_step(model: Qwen2, layers, s: SamplerState, stop_table, eos_ids, *, cfg: SamplingConfig,
-                 window: int | None) -> SamplerState:
-    """One token for every active row: the decode loop's body."""
+                window: int | None, script: jax.Array | None = None) -> SamplerState:
+    """One token for every active row: the decode loop's body. `script` [rows, S] (or None): a
+    token forced at each row's first S sampled positions (-1: sampled), its log-prob recorded as 0
+    (scripted workloads for benchmarks and tests)."""
     rows = jnp.arange(s.resp.shape[0])
-    key, sub = jax.random.split(s.key)
+    sub = row_keys(s.key, s.row, s.num_sampled)
     active = s.active
     spread = cfg.whole_vocabulary and model.spreads_head(rows.shape[0])
     mode = model.head_kernel_mode(rows.shape[0]) if spread else None
@@ -315,6 +390,12 @@ def decode_step(model: Qwen2, layers, s: SamplerState, stop_table, eos_ids, *, c
     else:
         tok, logprob = (sample_spread if spread else sample_tokens)(
             model.logits(s.hidden, keep_head_layout=spread), sub, cfg)
+    if script is not None:
+        n = s.num_sampled
+        scripted = (n < script.shape[1]) & (s.row >= 0) & (s.row < script.shape[0])
+        forced = jnp.where(scripted, script[jnp.clip(s.row, 0, script.shape[0] - 1),
+                                            jnp.minimum(n, script.shape[1] - 1)], -1)
+        tok, logprob = jnp.where(forced >= 0, forced, tok), jnp.where(forced >= 0, 0.0, logprob)
     at = jnp.where(active, s.resp_len, s.resp.shape[1])  # inactive rows write nowhere
     resp = s.resp.at[rows, at].set(tok, mode="drop")
     resp_logprob = s.resp_logprob.at[rows, at].set(logprob, mode="drop")
@@ -331,13 +412,14 @@ def decode_step(model: Qwen2, layers, s: SamplerState, stop_table, eos_ids, *, c
     return SamplerState(
         cache=cache, hidden=jnp.where(active[:, None], hidden[:, 0], s.hidden), resp=resp,
         resp_logprob=resp_logprob, resp_sampled=resp_sampled, resp_len=resp_len, num_sampled=num_sampled,
-        stop_state=stop_state, paused=paused, eos=s.eos | eos, done=done, key=key)
+        stop_state=stop_state, paused=paused, eos=s.eos | eos, done=done, row=s.row, key=s.key)
 
 
-def _decode(graphdef, params, layers, state: SamplerState, stop_table, eos_ids, max_steps, *,
+def _decode(graphdef, params, layers, state: SamplerState, stop_table, eos_ids, max_steps, script=None, *,
             cfg: SamplingConfig, window: int) -> tuple[SamplerState, jax.Array]:
     """Decode until every row is done or paused, after `max_steps` steps, or before an active
-    row would read past the first `window` cache slots. Returns the state and `progress` after."""
+    row would read past the first `window` cache slots. Returns the state and `progress` after
+    (with the active row-steps it decoded)."""
     model: Qwen2 = nnx.merge(graphdef, params)
     full = state.cache
     # A per-layer cache decodes in a copy of the slots the loop can touch (the window and the
@@ -350,27 +432,29 @@ def _decode(graphdef, params, layers, state: SamplerState, stop_table, eos_ids, 
             k=tuple(k[..., :span] for k in full.k), v=tuple(v[:, :, :span] for v in full.v), lengths=full.lengths))
 
     def cond(carry):
-        step, s = carry
+        step, _, s = carry
         return (step < max_steps) & jnp.any(s.active) & ~jnp.any(s.active & (s.cache.lengths > window))
 
     def body(carry):
-        step, s = carry
-        return step + 1, decode_step(model, layers, s, stop_table, eos_ids, cfg=cfg,
-                                      window=None if buffered else window)
+        step, busy, s = carry
+        return step + 1, busy + jnp.sum(s.active, dtype=jnp.int32), decode_step(
+            model, layers, s, stop_table, eos_ids, cfg=cfg, window=None if buffered else window, script=script)
 
-    steps, state = jax.lax.while_loop(cond, body, (jnp.int32(0), state))
+    steps, busy, state = jax.lax.while_loop(cond, body, (jnp.int32(0), jnp.int32(0), state))
     if buffered:
         back = lambda whole, part: tuple(jax.lax.dynamic_update_slice(w, p, (0,) * w.ndim) for w, p in zip(whole, part))
         state = dataclasses.replace(state, cache=KVCache(k=back(full.k, state.cache.k), v=back(full.v, state.cache.v),
                                                          lengths=state.cache.lengths))
-    return state, _progress(state, steps)
+    return state, _progress(state, steps, busy)
 
 
-def _progress(state: SamplerState, steps=0) -> jax.Array:
-    """[steps, longest active row's cache length (-1: none active), longest row's]: what the
-    host needs to pick the next call's attention window, in one small transfer."""
+def _progress(state: SamplerState, steps=0, busy=0) -> jax.Array:
+    """[steps, longest active row's cache length (-1: none active), longest live row's, active
+    row-steps decoded]: what the host needs to pick the next call's attention window, in one small
+    transfer."""
     lengths = state.cache.lengths
-    return jnp.stack([jnp.int32(steps), jnp.max(jnp.where(state.active, lengths, -1)), jnp.max(lengths)])
+    return jnp.stack([jnp.int32(steps), jnp.max(jnp.where(state.active, lengths, -1)),
+                      jnp.max(jnp.where(state.done, 0, lengths)), jnp.int32(busy)])
 
 
 # Tokens per pass of an insert: a pass materialises its attention scores, [rows, heads, chunk,
@@ -379,12 +463,25 @@ def _progress(state: SamplerState, steps=0) -> jax.Array:
 INSERT_CHUNK = 128
 
 
-def _insert(graphdef, params, layers, state: SamplerState, ids, n, end_rows, *, window: int,
+def _insert(graphdef, params, layers, state: SamplerState, ids, n, end_rows, resume=None, *, window: int,
             chunk: int = INSERT_CHUNK) -> SamplerState:
-    """Append `ids[b, :n[b]]` to row b (cache and response, loss mask 0), unpause every row,
-    and end the rows in `end_rows`. The tokens go in `chunk` at a time, each pass reading the
-    cache up to what the passes before it wrote."""
+    """Append `ids[b, :n[b]]` to row b (cache and response, loss mask 0), unpause the rows in
+    `resume` (None: every row), and end the rows in `end_rows`. The tokens go in `chunk` at a
+    time, each pass reading the cache up to what the passes before it wrote."""
     model: Qwen2 = nnx.merge(graphdef, params)
+    return _append(model, layers, state, ids, n, end_rows, resume, window, chunk)
+
+
+def _refill(graphdef, params, layers, state: SamplerState, ids, n, end_rows, resume, prompts, lengths, src, rows, *,
+            window: int, chunk: int = INSERT_CHUNK) -> SamplerState:
+    """One boundary's device work in one call: `_insert`'s appends and ends, then `_admit`'s new rows."""
+    model: Qwen2 = nnx.merge(graphdef, params)
+    state = _append(model, layers, state, ids, n, end_rows, resume, window, chunk)
+    return _admit(model, layers, state, prompts, lengths, src, rows)
+
+
+def _append(model: Qwen2, layers, state: SamplerState, ids, n, end_rows, resume, window: int,
+            chunk: int) -> SamplerState:
     last, cache = None, state.cache
     for start in range(0, ids.shape[1], chunk):
         part = jnp.clip(n - start, 0, chunk)
@@ -403,7 +500,8 @@ def _insert(graphdef, params, layers, state: SamplerState, ids, n, end_rows, *, 
         resp_logprob=state.resp_logprob.at[rows, cols].set(0.0, mode="drop"),
         resp_sampled=state.resp_sampled.at[rows, cols].set(False, mode="drop"),
         resp_len=resp_len, stop_state=jnp.where(got, 0, state.stop_state),
-        paused=jnp.zeros_like(state.paused), done=state.done | end_rows | (resp_len >= width))
+        paused=jnp.zeros_like(state.paused) if resume is None else state.paused & ~resume,
+        done=state.done | end_rows | (resp_len >= width))
 
 
 def _wider(x, dtype: jnp.dtype) -> bool:
@@ -432,9 +530,11 @@ prefill_step = jax.jit(_prefill, static_argnums=0,
                        static_argnames=("group_size", "cache_len", "resp_len", "cache_dtype"))
 decode_loop = jax.jit(_decode, static_argnums=0, static_argnames=("cfg", "window"), donate_argnums=3)
 insert_step = jax.jit(_insert, static_argnums=0, static_argnames=("window", "chunk"), donate_argnums=3)
+refill_step = jax.jit(_refill, static_argnums=0, static_argnames=("window", "chunk"), donate_argnums=3)
+empty_state = jax.jit(_empty, static_argnums=0,
+                      static_argnames=("slots", "cache_len", "resp_len", "cache_dtype", "per_layer"))
 layer_list = jax.jit(lambda graphdef, params: nnx.merge(graphdef, params).layer_list(transposed=True),
                      static_argnums=0)
-any_paused = jax.jit(lambda state: jnp.any(state.paused))
 progress = jax.jit(_progress)
 
 
@@ -475,13 +575,13 @@ class Sampler:
         if table.shape[0] < vocab:  # model rows past the tokenizer: no bytes, no state change
             pad = np.repeat(np.arange(table.shape[1], dtype=np.int32)[None] * 2, vocab - table.shape[0], 0)
             table = np.concatenate([table, pad])
-        self.stop_table = self._replicated(table[:vocab])
-        self.eos_ids = self._replicated(np.array(cfg.eos_ids or [-1], np.int32))
+        self.stop_table = self.replicated(table[:vocab])
+        self.eos_ids = self.replicated(np.array(cfg.eos_ids or [-1], np.int32))
         self.max_steps = max_steps_per_call or cfg.max_new_tokens
         self.window_steps = window_steps
         self.insert_chunk = insert_chunk
 
-    def _replicated(self, x: np.ndarray | jax.Array) -> jax.Array:
+    def replicated(self, x: np.ndarray | jax.Array) -> jax.Array:
         """`x` whole on every device of the mesh (as an array, as it is, without a mesh)."""
         if self.mesh is None:
             return x if isinstance(x, jax.Array) else jnp.asarray(x)
@@ -497,10 +597,6 @@ class Sampler:
     def row_multiple(self) -> int:
         """Each process's row count must be a multiple of this (its share of the batch shards)."""
         return 1 if self.mesh is None else hosts.local_batch_multiple(self.mesh)
-
-    def any_paused(self, state: SamplerState) -> bool:
-        """Whether any row of any process waits for the host."""
-        return bool(any_paused(state))
 
     def set_params(self, params: Any) -> None:
         """Use new policy weights (same structure) for the next rollouts: in the compute dtype and,
@@ -536,7 +632,7 @@ class Sampler:
         for i, p in enumerate(prompts):
             arr[i, :len(p)] = p
         lengths = np.array([len(p) for p in prompts], np.int32)
-        key = self._replicated(key)
+        key = self.replicated(key)
         self.calls.record("prefill", arr)
         with self._on_mesh():
             return prefill_step(self.graphdef, self.params, self.layers, self._rows(arr), self._rows(lengths), key,
@@ -548,28 +644,55 @@ class Sampler:
         full = state.cache.max_length
         return full if not self.window_steps else min(full, bucket_length(need))
 
-    def decode(self, state: SamplerState) -> SamplerState:
-        """Sample until every row is done or paused at a stop string (or `max_steps_per_call`
-        steps). Donates `state`."""
-        _, top, _ = np.asarray(progress(state)).tolist()
-        left = self.max_steps
+    def empty(self, slots: int, prompt_width: int, key: jax.Array) -> SamplerState:
+        """`slots` empty decode slots (this process's; a multiple of `row_multiple`) whose cache
+        holds a prompt of up to `prompt_width` tokens and a whole response; `refill` admits rows."""
+        with self._on_mesh():
+            return empty_state(self.graphdef, self.params, self.replicated(key),
+                               slots=slots * jax.process_count(), cache_len=prompt_width + self.config.response_tokens,
+                               resp_len=self.config.response_tokens, cache_dtype=self.cache_dtype,
+                               per_layer=self.per_layer)
+
+    def decode(self, state: SamplerState, max_steps: int | None = None,
+               script: jax.Array | None = None) -> SamplerState:
+        """Sample until every row is done or paused at a stop string, or after `max_steps` steps
+        (default `max_steps_per_call`). `script` (`decode_step`) forces tokens. Donates `state`."""
+        return self.decode_counted(state, max_steps, script)[0]
+
+    def decode_counted(self, state: SamplerState, max_steps: int | None = None,
+                       script: jax.Array | None = None) -> tuple[SamplerState, int, int]:
+        """`decode`, with the decode steps it ran and the active row-steps among them (all processes')."""
+        _, top, _, _ = np.asarray(progress(state)).tolist()
+        left = max_steps or self.max_steps
+        steps = busy = 0
         while top >= 0 and left > 0:  # a row is active
             window = self._window(state, top + self.window_steps)
             self.calls.record(f"decode@{window}", state.resp)
             with self._on_mesh():
                 state, info = decode_loop(self.graphdef, self.params, self.layers, state, self.stop_table,
-                                          self.eos_ids, self._replicated(np.int32(left)), cfg=self.config,
+                                          self.eos_ids, self.replicated(np.int32(left)), script, cfg=self.config,
                                           window=window)
-            steps, top, _ = np.asarray(info).tolist()
-            if steps == 0:  # cannot happen with a window past the longest active row
+            done, top, _, active = np.asarray(info).tolist()
+            if done == 0:  # cannot happen with a window past the longest active row
                 raise RuntimeError(f"decode made no progress: window {window}, longest active row {top}")
-            left -= steps
-        return state
+            left -= done
+            steps += done
+            busy += active
+        return state, steps, busy
 
     def insert(self, state: SamplerState, blocks: Sequence[Sequence[int]],
                end_rows: Sequence[bool] | None = None) -> SamplerState:
-        """Append `blocks[b]` (may be empty) to each row and resume; `end_rows` rows end instead.
-        Donates `state`."""
+        """Append `blocks[b]` (may be empty) to each row and resume every row; `end_rows` rows end
+        instead. Donates `state`."""
+        return self.refill(state, blocks, end_rows)
+
+    def refill(self, state: SamplerState, blocks: Sequence[Sequence[int]], end_rows: Sequence[bool] | None = None,
+               resume: Sequence[bool] | None = None,
+               admit: Sequence[tuple[int, Sequence[int], int]] = ()) -> SamplerState:
+        """One host boundary's device work, in one call: append `blocks[b]` (may be empty) to slot
+        b, resume the slots in `resume` (default: all), end the slots in `end_rows`, and admit
+        rows: (slot, prompt ids, row id) each, a prompt that several slots take prefilled once.
+        This process's slots; every process calls it (with nothing to do, if so). Donates `state`."""
         b = len(blocks)
         width = hosts.agree_max(bucket_length(max([len(x) for x in blocks] + [1]), minimum=8))
         ids = np.zeros((b, width), np.int32)
@@ -581,7 +704,37 @@ class Sampler:
         longest = int(np.asarray(progress(state))[2]) if self.window_steps else 0  # no sync without windows
         window = self._window(state, longest)
         self.calls.record(f"insert@{window}", ids)
+        arrays = [self._rows(ids), self._rows(n), self._rows(end),
+                  None if resume is None else self._rows(np.asarray(resume, bool))]
+        if not hosts.agree_max(len(admit)):
+            with self._on_mesh():
+                return insert_step(self.graphdef, self.params, self.layers, state, *arrays, window=window,
+                                   chunk=self.insert_chunk)
+        prompts, lengths, src, rows = self._admissions(b, admit)
+        self.calls.record("admit", prompts)
         with self._on_mesh():
-            return insert_step(self.graphdef, self.params, self.layers, state, self._rows(ids), self._rows(n),
-                               self._rows(end), window=window, chunk=self.insert_chunk)
+            return refill_step(self.graphdef, self.params, self.layers, state, *arrays, self._rows(prompts),
+                               self._rows(lengths), self._rows(src), self._rows(rows), window=window,
+                               chunk=self.insert_chunk)
 
+    def _admissions(self, b: int, admit: Sequence[tuple[int, Sequence[int], int]]):
+        """`refill`'s admissions as arrays: distinct prompts [P, W] (P, W bucketed and agreed between
+        processes), their lengths, each slot's prompt (global index; -1: none) and row id."""
+        distinct = list(dict.fromkeys(tuple(p) for _, p, _ in admit))
+        count = hosts.agree_max(bucket_length(max(len(distinct), 1), minimum=1))
+        count = -(-count // self.row_multiple()) * self.row_multiple()
+        width = hosts.agree_max(bucket_length(max([len(p) for p in distinct] + [1])))
+        prompts = np.zeros((count, width), np.int32)
+        lengths = np.ones(count, np.int32)  # unused prompt rows prefill one padding token
+        for i, p in enumerate(distinct):
+            prompts[i, :len(p)] = p
+            lengths[i] = len(p)
+        src, rows = np.full(b, -1, np.int32), np.full(b, -1, np.int32)
+        offset = jax.process_index() * count  # this process's prompts in the global array
+        for slot, p, row in admit:
+            src[slot], rows[slot] = offset + distinct.index(tuple(p)), row
+        return prompts, lengths, src, rows
+
+    def flags(self, state: SamplerState) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """This process's slots' (paused, done, response length)."""
+        return tuple(self.local(x) for x in (state.paused, state.done, state.resp_len))
