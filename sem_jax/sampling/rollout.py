@@ -249,7 +249,10 @@ def rollout(sampler: Sampler, tokenizer, retriever, prompts: Sequence[Sequence[i
             if not hosts.agree_max(int(live)):
                 break
             t0 = time.perf_counter()
-            state, steps, busy = sampler.decode_counted(state, None if cfg.lockstep else cfg.chunk_steps, forced)
+            # Continuous: back to the host after chunk_steps, or once an eighth of the slots (at
+            # least one) has ended or paused: a slot to refill, a query to send.
+            state, steps, busy = sampler.decode_counted(state, None if cfg.lockstep else cfg.chunk_steps, forced,
+                                                        release=0 if cfg.lockstep else max(1, slots // 8))
             stats.decode_s += time.perf_counter() - t0
             stats.decode_steps += steps
             stats.slot_steps += steps * slots * jax.process_count()

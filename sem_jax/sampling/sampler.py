@@ -415,11 +415,12 @@ def decode_step(model: Qwen2, layers, s: SamplerState, stop_table, eos_ids, *, c
         stop_state=stop_state, paused=paused, eos=s.eos | eos, done=done, row=s.row, key=s.key)
 
 
-def _decode(graphdef, params, layers, state: SamplerState, stop_table, eos_ids, max_steps, script=None, *,
-            cfg: SamplingConfig, window: int) -> tuple[SamplerState, jax.Array]:
-    """Decode until every row is done or paused, after `max_steps` steps, or before an active
-    row would read past the first `window` cache slots. Returns the state and `progress` after
-    (with the active row-steps it decoded)."""
+def _decode(graphdef, params, layers, state: SamplerState, stop_table, eos_ids, max_steps, script=None,
+            min_active=None, *, cfg: SamplingConfig, window: int) -> tuple[SamplerState, jax.Array]:
+    """Decode until every row is done or paused (or, given `min_active`, until fewer rows than
+    that are active), after `max_steps` steps, or before an active row would read past the first
+    `window` cache slots. Returns the state and `progress` after (with the active row-steps it
+    decoded)."""
     model: Qwen2 = nnx.merge(graphdef, params)
     full = state.cache
     # A per-layer cache decodes in a copy of the slots the loop can touch (the window and the
@@ -433,7 +434,8 @@ def _decode(graphdef, params, layers, state: SamplerState, stop_table, eos_ids, 
 
     def cond(carry):
         step, _, s = carry
-        return (step < max_steps) & jnp.any(s.active) & ~jnp.any(s.active & (s.cache.lengths > window))
+        go = (step < max_steps) & jnp.any(s.active) & ~jnp.any(s.active & (s.cache.lengths > window))
+        return go if min_active is None else go & (jnp.sum(s.active) >= min_active)
 
     def body(carry):
         step, busy, s = carry
@@ -450,11 +452,11 @@ def _decode(graphdef, params, layers, state: SamplerState, stop_table, eos_ids, 
 
 def _progress(state: SamplerState, steps=0, busy=0) -> jax.Array:
     """[steps, longest active row's cache length (-1: none active), longest live row's, active
-    row-steps decoded]: what the host needs to pick the next call's attention window, in one small
+    row-steps decoded, active rows]: what the host needs to pick the next call's attention window, in one small
     transfer."""
     lengths = state.cache.lengths
     return jnp.stack([jnp.int32(steps), jnp.max(jnp.where(state.active, lengths, -1)),
-                      jnp.max(jnp.where(state.done, 0, lengths)), jnp.int32(busy)])
+                      jnp.max(jnp.where(state.done, 0, lengths)), jnp.int32(busy), jnp.sum(state.active, dtype=jnp.int32)])
 
 
 # Tokens per pass of an insert: a pass materialises its attention scores, [rows, heads, chunk,
@@ -469,37 +471,61 @@ def _insert(graphdef, params, layers, state: SamplerState, ids, n, end_rows, res
     `resume` (None: every row), and end the rows in `end_rows`. The tokens go in `chunk` at a
     time, each pass reading the cache up to what the passes before it wrote."""
     model: Qwen2 = nnx.merge(graphdef, params)
-    return _append(model, layers, state, ids, n, end_rows, resume, window, chunk)
+    return _append(model, layers, state, None, ids, n, end_rows, resume, window, chunk)
 
 
-def _refill(graphdef, params, layers, state: SamplerState, ids, n, end_rows, resume, prompts, lengths, src, rows, *,
+def _refill(graphdef, params, layers, state: SamplerState, sel, ids, n, end_rows, resume, admit, *,
             window: int, chunk: int = INSERT_CHUNK) -> SamplerState:
-    """One boundary's device work in one call: `_insert`'s appends and ends, then `_admit`'s new rows."""
+    """One boundary's device work in one call: `_insert`'s appends (to the slots `sel` only, when
+    given: ids [k, W] for slots sel [k], an index past the slots for padding) and ends, then
+    `_admit`'s new rows (`admit`: its arrays, or None)."""
     model: Qwen2 = nnx.merge(graphdef, params)
-    state = _append(model, layers, state, ids, n, end_rows, resume, window, chunk)
-    return _admit(model, layers, state, prompts, lengths, src, rows)
+    state = _append(model, layers, state, sel, ids, n, end_rows, resume, window, chunk)
+    return state if admit is None else _admit(model, layers, state, *admit)
 
 
-def _append(model: Qwen2, layers, state: SamplerState, ids, n, end_rows, resume, window: int,
+def _rows_of(cache: KVCache, sel) -> KVCache:
+    axis = 0 if cache.per_layer else 1
+    take = lambda x: jnp.take(x, sel, axis=axis, mode="clip")
+    return KVCache(k=jax.tree.map(take, cache.k), v=jax.tree.map(take, cache.v),
+                   lengths=jnp.take(cache.lengths, sel, mode="clip"))
+
+
+def _put_rows(cache: KVCache, sel, part: KVCache) -> KVCache:
+    def put(x, y):
+        return x.at[sel].set(y, mode="drop") if cache.per_layer else x.at[:, sel].set(y, mode="drop")
+    return KVCache(k=jax.tree.map(put, cache.k, part.k), v=jax.tree.map(put, cache.v, part.v),
+                   lengths=cache.lengths.at[sel].set(part.lengths, mode="drop"))
+
+
+def _append(model: Qwen2, layers, state: SamplerState, sel, ids, n, end_rows, resume, window: int,
             chunk: int) -> SamplerState:
-    last, cache = None, state.cache
+    """`_insert` on the slots `sel` (None: every slot, ids [B, W]): a boundary that answers a
+    few rows computes their tokens only, not every slot's padding."""
+    b = state.resp.shape[0]
+    rows = jnp.arange(b) if sel is None else sel
+    keep = lambda x: jnp.take(x, rows, axis=0, mode="clip")
+    last, cache = None, state.cache if sel is None else _rows_of(state.cache, sel)
     for start in range(0, ids.shape[1], chunk):
         part = jnp.clip(n - start, 0, chunk)
         hidden, cache = _extend_last(model, layers, ids[:, start:start + chunk], cache, part,
                                      min(window + start, cache.max_length))
         last = hidden if last is None else jnp.where((part > 0)[:, None], hidden, last)
+    if sel is not None:
+        cache = _put_rows(state.cache, sel, cache)
     width = state.resp.shape[1]
-    cols = state.resp_len[:, None] + jnp.arange(ids.shape[1])[None, :]
+    cols = keep(state.resp_len)[:, None] + jnp.arange(ids.shape[1])[None, :]
     cols = jnp.where(jnp.arange(ids.shape[1])[None, :] < n[:, None], cols, width)  # drop padding
-    rows = jnp.arange(ids.shape[0])[:, None]
-    resp_len = state.resp_len + n
     got = n > 0
+    resp_len = state.resp_len.at[rows].add(n, mode="drop")
     return dataclasses.replace(
-        state, cache=cache, hidden=jnp.where(got[:, None], last, state.hidden),
-        resp=state.resp.at[rows, cols].set(ids, mode="drop"),
-        resp_logprob=state.resp_logprob.at[rows, cols].set(0.0, mode="drop"),
-        resp_sampled=state.resp_sampled.at[rows, cols].set(False, mode="drop"),
-        resp_len=resp_len, stop_state=jnp.where(got, 0, state.stop_state),
+        state, cache=cache, hidden=state.hidden.at[rows].set(jnp.where(got[:, None], last, keep(state.hidden)),
+                                                             mode="drop"),
+        resp=state.resp.at[rows[:, None], cols].set(ids, mode="drop"),
+        resp_logprob=state.resp_logprob.at[rows[:, None], cols].set(0.0, mode="drop"),
+        resp_sampled=state.resp_sampled.at[rows[:, None], cols].set(False, mode="drop"),
+        resp_len=resp_len, stop_state=state.stop_state.at[rows].set(jnp.where(got, 0, keep(state.stop_state)),
+                                                                    mode="drop"),
         paused=jnp.zeros_like(state.paused) if resume is None else state.paused & ~resume,
         done=state.done | end_rows | (resp_len >= width))
 
@@ -659,25 +685,31 @@ class Sampler:
         (default `max_steps_per_call`). `script` (`decode_step`) forces tokens. Donates `state`."""
         return self.decode_counted(state, max_steps, script)[0]
 
-    def decode_counted(self, state: SamplerState, max_steps: int | None = None,
-                       script: jax.Array | None = None) -> tuple[SamplerState, int, int]:
-        """`decode`, with the decode steps it ran and the active row-steps among them (all processes')."""
-        _, top, _, _ = np.asarray(progress(state)).tolist()
+    def decode_counted(self, state: SamplerState, max_steps: int | None = None, script: jax.Array | None = None,
+                       release: int = 0) -> tuple[SamplerState, int, int]:
+        """`decode`, with the decode steps it ran and the active row-steps among them (all
+        processes'). `release` > 0: stop as soon as that many of the rows active at the start have
+        ended or paused (a slot to refill, a query to send)."""
+        _, top, _, _, now = np.asarray(progress(state)).tolist()
         left = max_steps or self.max_steps
         steps = busy = 0
+        floor = now - release + 1 if release else None
         while top >= 0 and left > 0:  # a row is active
             window = self._window(state, top + self.window_steps)
             self.calls.record(f"decode@{window}", state.resp)
             with self._on_mesh():
                 state, info = decode_loop(self.graphdef, self.params, self.layers, state, self.stop_table,
-                                          self.eos_ids, self.replicated(np.int32(left)), script, cfg=self.config,
-                                          window=window)
-            done, top, _, active = np.asarray(info).tolist()
-            if done == 0:  # cannot happen with a window past the longest active row
-                raise RuntimeError(f"decode made no progress: window {window}, longest active row {top}")
+                                          self.eos_ids, self.replicated(np.int32(left)), script,
+                                          None if floor is None else self.replicated(np.int32(floor)),
+                                          cfg=self.config, window=window)
+            done, top, _, active, now = np.asarray(info).tolist()
             left -= done
             steps += done
             busy += active
+            if floor is not None and now < floor:
+                break
+            if done == 0:  # cannot happen with a window past the longest active row
+                raise RuntimeError(f"decode made no progress: window {window}, longest active row {top}")
         return state, steps, busy
 
     def insert(self, state: SamplerState, blocks: Sequence[Sequence[int]],
@@ -694,28 +726,35 @@ class Sampler:
         rows: (slot, prompt ids, row id) each, a prompt that several slots take prefilled once.
         This process's slots; every process calls it (with nothing to do, if so). Donates `state`."""
         b = len(blocks)
-        width = hosts.agree_max(bucket_length(max([len(x) for x in blocks] + [1]), minimum=8))
-        ids = np.zeros((b, width), np.int32)
-        n = np.zeros(b, np.int32)
-        for i, blk in enumerate(blocks):
-            ids[i, :len(blk)] = blk
-            n[i] = len(blk)
         end = np.zeros(b, bool) if end_rows is None else np.asarray(end_rows, bool)
         longest = int(np.asarray(progress(state))[2]) if self.window_steps else 0  # no sync without windows
         window = self._window(state, longest)
+        some = [i for i, blk in enumerate(blocks) if len(blk)]
+        k = hosts.agree_max(-(-bucket_length(max(len(some), 1), minimum=1) // self.row_multiple()) * self.row_multiple())
+        rows = list(range(b)) if k >= b else some + [None] * (k - len(some))  # None: padding
+        width = hosts.agree_max(bucket_length(max([len(blocks[i]) for i in some] + [1]), minimum=8))
+        ids = np.zeros((len(rows), width), np.int32)
+        n = np.zeros(len(rows), np.int32)
+        for j, i in enumerate(rows):
+            if i is not None:
+                ids[j, :len(blocks[i])] = blocks[i]
+                n[j] = len(blocks[i])
         self.calls.record(f"insert@{window}", ids)
-        arrays = [self._rows(ids), self._rows(n), self._rows(end),
-                  None if resume is None else self._rows(np.asarray(resume, bool))]
-        if not hosts.agree_max(len(admit)):
+        resume = None if resume is None else self._rows(np.asarray(resume, bool))
+        if k >= b and not hosts.agree_max(len(admit)):  # every slot: the batch insert (what aot compiles)
             with self._on_mesh():
-                return insert_step(self.graphdef, self.params, self.layers, state, *arrays, window=window,
-                                   chunk=self.insert_chunk)
-        prompts, lengths, src, rows = self._admissions(b, admit)
-        self.calls.record("admit", prompts)
+                return insert_step(self.graphdef, self.params, self.layers, state, self._rows(ids), self._rows(n),
+                                   self._rows(end), resume, window=window, chunk=self.insert_chunk)
+        total = b * jax.process_count()  # a global slot index past the last: padding, dropped
+        first = jax.process_index() * b
+        sel = None if k >= b else self._rows(np.array([total if i is None else first + i for i in rows], np.int32))
+        arrays = None
+        if hosts.agree_max(len(admit)):
+            arrays = tuple(self._rows(x) for x in self._admissions(b, admit))
+            self.calls.record("admit", arrays[0])
         with self._on_mesh():
-            return refill_step(self.graphdef, self.params, self.layers, state, *arrays, self._rows(prompts),
-                               self._rows(lengths), self._rows(src), self._rows(rows), window=window,
-                               chunk=self.insert_chunk)
+            return refill_step(self.graphdef, self.params, self.layers, state, sel, self._rows(ids), self._rows(n),
+                               self._rows(end), resume, arrays, window=window, chunk=self.insert_chunk)
 
     def _admissions(self, b: int, admit: Sequence[tuple[int, Sequence[int], int]]):
         """`refill`'s admissions as arrays: distinct prompts [P, W] (P, W bucketed and agreed between
@@ -723,7 +762,7 @@ class Sampler:
         distinct = list(dict.fromkeys(tuple(p) for _, p, _ in admit))
         count = hosts.agree_max(bucket_length(max(len(distinct), 1), minimum=1))
         count = -(-count // self.row_multiple()) * self.row_multiple()
-        width = hosts.agree_max(bucket_length(max([len(p) for p in distinct] + [1])))
+        width = hosts.agree_max(bucket_length(max([len(p) for p in distinct] + [1])))  # <= the cache's prompt room
         prompts = np.zeros((count, width), np.int32)
         lengths = np.ones(count, np.int32)  # unused prompt rows prefill one padding token
         for i, p in enumerate(distinct):
