@@ -19,7 +19,7 @@ def random_qwen2(seed=0, cfg=TINY, scale=0.3):
 
 
 class ScriptedPolicy(nnx.Module):
-    """Forces row b's token at absolute position p to be `script[b, p]` (huge logit margin).
+    """Forces a row's token at absolute position p to be `script[row, p]` (huge logit margin).
 
     Same interface as `Qwen2` for the sampler (config, dtype, init_cache, extend). The
     cache holds no keys; its lengths advance as the real one's do, so inserted blocks
@@ -45,13 +45,18 @@ class ScriptedPolicy(nnx.Module):
     def hidden_states(self, tokens, *, cache, num_new=None, window=None, layers=None):
         b, t = tokens.shape
         script = self.script[...]
-        # Prefill runs on one row per prompt, decode on G rows per prompt: map rows.
-        rows = jnp.arange(b) * script.shape[0] // b
+        # A prefill (an empty cache) runs on one row per prompt: prompt i is script row i * S / b.
+        # The row is kept in the cache's first value slot (the cache holds nothing else), so it
+        # follows the row to its G copies and into any sub-batch the sampler gathers.
+        stored = (cache.v[0][:, 0, 0, 0] if cache.per_layer else cache.v[0, :, 0, 0, 0]).astype(jnp.int32)
+        rows = jnp.where(cache.lengths == 0, jnp.arange(b) * script.shape[0] // b, stored)
         pos = cache.lengths[:, None] + jnp.arange(t)[None] + 1  # the token this output predicts
         nxt = script[rows[:, None], jnp.minimum(pos, script.shape[1] - 1)]
         step = t if num_new is None else num_new
+        v = ((cache.v[0].at[:, 0, 0, 0].set(rows.astype(jnp.float32)),) if cache.per_layer
+             else cache.v.at[0, :, 0, 0, 0].set(rows.astype(jnp.float32)))
         return jax.nn.one_hot(nxt, self.config.vocab_size) * 100.0, \
-            KVCache(k=cache.k, v=cache.v, lengths=cache.lengths + step)
+            KVCache(k=cache.k, v=v, lengths=cache.lengths + step)
 
     def logits(self, hidden, keep_head_layout=False):
         return hidden
