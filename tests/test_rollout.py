@@ -343,30 +343,40 @@ def _scripted_workload(tok, rows, width, seed=0):
     return script
 
 
+ENGINE_BASE = dict(max_searches=1, top_k=1, max_tokens_per_passage=24, max_block_tokens=100, max_note_tokens=16)
+
+
+def _engine_case(tok, greedy, mesh=None):
+    """A random Qwen2 over the real vocabulary, 3 prompts x G 3 under a scripted workload."""
+    from policies import Qwen2Config, random_qwen2
+
+    model = random_qwen2(3, Qwen2Config(vocab_size=151936, hidden_size=32, intermediate_size=64, num_layers=2,
+                                        num_heads=4, num_kv_heads=2, rope_theta=1e6), scale=0.2)
+    enc = lambda s: tok.encode(s, add_special_tokens=False)
+    prompts = [enc("Q: capital?"), enc("Where is the Nile and how high is Everest, and why?"), enc("x y")]
+    sampler = Sampler(model, build_stop_automaton(tok, SEM.stop_strings, 151936),
+                      SamplingConfig(max_new_tokens=40, greedy=greedy, eos_ids=(IM_END,), max_inserted_tokens=200),
+                      window_steps=8, mesh=mesh)
+    return sampler, prompts, _scripted_workload(tok, len(prompts) * 3, 48)
+
+
 @pytest.mark.parametrize("greedy", [True, False])
 def test_continuous_engine_samples_what_lockstep_samples(qwen25_tokenizer, retriever, greedy):
     """Row-keyed draws: the same step's trajectories (tokens, masks, searches; log-probs within
     1e-4) under the lockstep setting and under the continuous engine with fewer slots than rows
     (groups split over boundaries), short chunks and a slow retriever answered beside decoding."""
-    from policies import Qwen2Config, random_qwen2
-
     tok = qwen25_tokenizer
-    model = random_qwen2(3, Qwen2Config(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_layers=2,
-                                        num_heads=4, num_kv_heads=2, rope_theta=1e6), scale=0.2)
     enc = lambda s: tok.encode(s, add_special_tokens=False)
-    prompts = [enc("Q: capital?"), enc("Where is the Nile and how high is Everest, and why?"), enc("x y")]
     g = 3
-    script = _scripted_workload(tok, len(prompts) * g, 48)
-    sampler = Sampler(model, build_stop_automaton(tok, SEM.stop_strings),
-                      SamplingConfig(max_new_tokens=40, greedy=greedy, eos_ids=(IM_END,), max_inserted_tokens=200),
-                      window_steps=8)
-    base = dict(group_size=g, max_searches=1, top_k=1, max_tokens_per_passage=24, max_block_tokens=100,
-                max_note_tokens=16)
+    sampler, prompts, script = _engine_case(tok, greedy)
+    base = dict(group_size=g, **ENGINE_BASE)
     runs = {}
-    for name, extra, r in (("lockstep", dict(lockstep=True), retriever),
-                           ("all slots", dict(chunk_steps=4), SlowRetriever(retriever, 0.05)),
-                           ("4 slots", dict(slots=4, chunk_steps=3), SlowRetriever(retriever, 0.05)),
-                           ("5 slots", dict(slots=5, chunk_steps=7), retriever)):
+    settings = [("lockstep", dict(lockstep=True), retriever),
+                ("4 slots", dict(slots=4, chunk_steps=3), SlowRetriever(retriever, 0.05))]
+    if not greedy:  # (each setting compiles its own shapes: the greedy case checks the two that matter most)
+        settings += [("all slots", dict(chunk_steps=4), SlowRetriever(retriever, 0.05)),
+                     ("5 slots", dict(slots=5, chunk_steps=7), retriever)]
+    for name, extra, r in settings:
         trajs, stats = rollout(sampler, tok, r, prompts, jax.random.key(7), RolloutConfig(**base, **extra),
                                script=script)
         runs[name] = trajs, stats
@@ -388,6 +398,27 @@ def test_continuous_engine_samples_what_lockstep_samples(qwen25_tokenizer, retri
     assert four.prefills > len(prompts)  # groups of 3 split over 4 slots: a prompt prefilled again
     if not greedy:  # the draws differ between rows of one group
         assert len({tuple(t.response_ids.tolist()) for t in want[:g]}) > 1
+
+
+def test_continuous_engine_on_the_spread_sampler_mesh(qwen25_tokenizer, retriever):
+    """The engine's device calls (admissions into freed slots, appends to a gathered sub-batch) on
+    the spread sampler layout (8 devices as 4 groups of 2, rows over the groups, the MLP and the
+    LM head over all 8, each device drawing its share's Gumbel-max candidate with the row's key):
+    the trajectories of the lockstep engine on the same layout."""
+    from sem_jax.sharding import make_mesh, tensor_groups
+
+    tok = qwen25_tokenizer
+    cfg = lambda **kw: RolloutConfig(group_size=3, **ENGINE_BASE, **kw)
+    mesh = tensor_groups(make_mesh(data=1, fsdp=-1, tensor=1), 2, spread=True)
+    sampler, prompts, script = _engine_case(tok, False, mesh)
+    with jax.set_mesh(mesh):
+        want, _ = rollout(sampler, tok, retriever, prompts, jax.random.key(5), cfg(lockstep=True), script=script)
+        got, stats = rollout(sampler, tok, retriever, prompts, jax.random.key(5), cfg(slots=4, chunk_steps=3),
+                             script=script)
+    assert stats.admissions == 9 - 4 and sum(t.num_searches for t in got) >= 6
+    for a, b in zip(got, want):
+        assert a.response_ids.tolist() == b.response_ids.tolist() and a.queries == b.queries
+        np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-4)
 
 
 def test_lockstep_admits_a_new_batch_only_when_every_slot_is_free(qwen25_tokenizer, retriever):

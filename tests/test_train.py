@@ -129,9 +129,13 @@ def _two_processes(cmd) -> list[str]:
 def test_two_processes_train_as_one(warm_model, tmp_path):
     """Two processes (2 CPU devices each, gloo collectives) train the 4-device FSDP mesh together:
     each rolls out only its half of every step's questions, and the parameters after two steps
-    are those of one process driving all 4 devices over the same global batches."""
+    are those of one process driving all 4 devices over the same global batches. Both roll out
+    through 4 decode slots a process (16 rows through 4 slots, 8 through 4 on each of the two):
+    rows are admitted as slots free up, at boundaries the processes agree on, and a row's draws
+    do not depend on the slot or process it runs in."""
     one, two = tmp_path / "one", tmp_path / "two"
-    steps = ("--config.train.total_steps=2", "--config.train.debug_hosts=True")
+    steps = ("--config.train.total_steps=2", "--config.train.debug_hosts=True", "--config.rollout.slots=4",
+             "--config.rollout.chunk_steps=5")
     _two_processes(lambda *flags: _cmd(two, warm_model, *steps, *flags))
     single = subprocess.run(_cmd(one, warm_model, *steps), capture_output=True, text=True, timeout=600, cwd=REPO,
                             env=cpu_env(4))
