@@ -120,7 +120,7 @@ def workload(tok, docs, search_share: float, seed: int = 0) -> tuple[np.ndarray,
 
 def run(sampler, tok, retriever, prompts, script, slots: int, lockstep: bool):
     cfg = RolloutConfig(group_size=G, max_searches=2, top_k=TOP_K, max_tokens_per_passage=PASSAGE_TOKENS,
-                        max_block_tokens=BLOCK, max_note_tokens=32, slots=slots, lockstep=lockstep, chunk_steps=16)
+                        max_block_tokens=BLOCK, max_note_tokens=32, slots=slots, lockstep=lockstep)
     rollout(sampler, tok, retriever, prompts, jax.random.key(0), cfg, SEM, script=script)  # warm-up: compiles
     t0 = time.perf_counter()
     trajs, stats = rollout(sampler, tok, retriever, prompts, jax.random.key(0), cfg, SEM, script=script)

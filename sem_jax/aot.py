@@ -174,6 +174,9 @@ def define_flags():
     flags.DEFINE_bool("roofline", False, "Instead of the fit check: XLA's FLOPs and bytes per call against the "
                       "ideal, and predicted times per chip (sem_jax.roofline)")
     flags.DEFINE_string("json", None, "With --roofline: also write its figures to this JSON file")
+    flags.DEFINE_float("occupancy", 0.0, "With --roofline: the rollout engine's measured slot occupancy "
+                       "(scripts/bench_rollout.py); the rollout predicted at it, with --mean_tokens a row")
+    flags.DEFINE_float("mean_tokens", 0.0, "With --occupancy: sampled tokens per row")
     flags.DEFINE_bool("measure", False, "With --roofline: also run each call on the local devices and time it, "
                       "beside the prediction (sem_jax.measure)")
     flags.DEFINE_integer("repeats", 3, "With --measure: timed runs per call (after one that compiles)")
@@ -207,6 +210,8 @@ def main(argv):
         mcfg = model_config(config)
         data = roofline.report(calls, shapes, label, hbm_per_device(devices, FLAGS.hbm_gib),
                                config.rollout.group_size)
+        if FLAGS.occupancy:
+            data["engine"] = roofline.engine_rollout(data, calls, FLAGS.occupancy, FLAGS.mean_tokens)
         if FLAGS.measure:
             if FLAGS.topology:
                 raise app.UsageError("--measure runs the calls on the local devices: drop --topology")

@@ -494,6 +494,25 @@ def report(calls: list[Call], shapes: dict, label: str, hbm: float, group_size: 
     return data
 
 
+def engine_rollout(data: dict, calls: list[Call], occupancy: float, mean_tokens: float) -> dict:
+    """The rollout's seconds per chip with the rollout engine's decode steps in place of
+    `max_new_tokens`: rows of `mean_tokens` sampled tokens each, in slots that decode a row
+    `occupancy` of the time (both measured: `scripts/bench_rollout.py`), take mean_tokens /
+    occupancy decode steps per slot's worth of rows. Each step still costs the full-window decode
+    step, so it is an upper bound for the decode part."""
+    d = next(c for c in calls if c.name.startswith("decode step"))
+    steps = mean_tokens / occupancy
+    out = dict(occupancy=occupancy, mean_tokens=mean_tokens, decode_steps=steps, chips={})
+    print(f"\nwith the rollout engine at a measured occupancy of {occupancy:.0%} and {mean_tokens:g} sampled tokens a "
+          f"row: {steps:.0f} decode steps a step, not {d.per_step}")
+    for name, chip in CHIPS.items():
+        sec = data["chips"][name]["rollout_s"] + (steps - d.per_step) * d.seconds(chip)
+        out["chips"][name] = dict(rollout_s=sec, step_s=sec + data["chips"][name]["update_s"])
+        print(f"  {name}: rollout {data['chips'][name]['rollout_s']:.1f} s -> {sec:.1f} s, step "
+              f"{data['chips'][name]['step_s']:.1f} s -> {sec + data['chips'][name]['update_s']:.1f} s")
+    return out
+
+
 def write_json(data: dict, path: str) -> None:
     with open(path, "w") as fh:
         json.dump(data, fh, indent=2, default=lambda x: x if math.isfinite(x) else None)

@@ -132,7 +132,7 @@ class Rollout:
     # step), decode steps between host boundaries, retriever threads; `lockstep`: barriers at
     # pauses and admissions (one static batch decoded until every row waits).
     slots: int = setting(0, why="0: every row of the step", **COUNT)
-    chunk_steps: int = setting(16, **POSITIVE)
+    chunk_steps: int = setting(8, **POSITIVE)
     lockstep: bool = False
     retrieval_threads: int = setting(4, **POSITIVE)
 

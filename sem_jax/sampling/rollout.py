@@ -1,7 +1,8 @@
 """The search-aware rollout engine: the host loop around the compiled sampler.
 
-A step's rows (prompt x G) go through a fixed number of decode slots. Between host boundaries
-the device decodes up to `chunk_steps` tokens for every active slot. At a boundary the host
+A step's rows (prompt x G) go through a fixed number of decode slots. The device decodes every
+active slot until a row ends or pauses, or for `chunk_steps` tokens at most (so that answers
+that came back are inserted soon). At a boundary the host
 collects the rows that ended (their slots free up), sends the queries of rows that paused at
 `</search>` to the retriever on a thread pool, and in ONE batched call appends the result blocks
 that are ready, ends rows and admits queued rows into the free slots (a prompt that several slots
@@ -42,7 +43,7 @@ class RolloutConfig:
     max_block_tokens: int          # one search's inserted block at most (passages cut to fit: counted)
     max_note_tokens: int           # the limit note at most
     slots: int = 0                 # decode slots per process; 0: every row of the step
-    chunk_steps: int = 16          # decode steps between host boundaries (not with lockstep)
+    chunk_steps: int = 8           # decode steps between host boundaries at most (not with lockstep)
     lockstep: bool = False         # barriers at pauses and admissions (see the module docstring)
     retrieval_threads: int = 4     # host threads that run retriever calls beside decoding
 
@@ -249,10 +250,10 @@ def rollout(sampler: Sampler, tokenizer, retriever, prompts: Sequence[Sequence[i
             if not hosts.agree_max(int(live)):
                 break
             t0 = time.perf_counter()
-            # Continuous: back to the host after chunk_steps, or once an eighth of the slots (at
-            # least one) has ended or paused: a slot to refill, a query to send.
+            # Continuous: back to the host after chunk_steps, or as soon as a row ends or pauses (a
+            # slot to refill, a query to send: a boundary costs less than a slot left idle).
             state, steps, busy = sampler.decode_counted(state, None if cfg.lockstep else cfg.chunk_steps, forced,
-                                                        release=0 if cfg.lockstep else max(1, slots // 8))
+                                                        release=0 if cfg.lockstep else 1)
             stats.decode_s += time.perf_counter() - t0
             stats.decode_steps += steps
             stats.slot_steps += steps * slots * jax.process_count()
