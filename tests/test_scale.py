@@ -400,3 +400,21 @@ def test_projections_read_their_kernels_in_place_on_tpu():
     weight, io = 3584 * 8 * 128 * 2, 2 * 80 * (3584 + 8 * 128) * 2
     for name, nbytes in got.items():
         assert nbytes <= 1.05 * (weight + io), (name, nbytes)
+
+
+def test_roofline_rollout_at_a_measured_occupancy():
+    """The engine's rollout replaces the decode step's max_new_tokens calls by mean_tokens /
+    occupancy of them, and leaves every other call as it was: a hand count."""
+    from sem_jax.roofline import CHIPS, Call, engine_rollout, summary
+
+    calls = [Call("prefill", 1, 4e12, 1e9, 4e12, 1e9), Call("decode step (window 512)", 128, 1e11, 2e10, 1e11, 2e10),
+             Call("update (8 rows)", 4, 8e13, 1e10, 8e13, 1e10, part="update")]
+    data = summary(calls, {})
+    out = engine_rollout(data, calls, occupancy=0.5, mean_tokens=40)
+    assert out["decode_steps"] == 80
+    for name, chip in CHIPS.items():
+        decode = max(1e11 / chip.flops, 2e10 / chip.hbm)
+        prefill = max(4e12 / chip.flops, 1e9 / chip.hbm)
+        update = 4 * max(8e13 / chip.flops, 1e10 / chip.hbm)
+        assert out["chips"][name]["rollout_s"] == pytest.approx(prefill + 80 * decode)
+        assert out["chips"][name]["step_s"] == pytest.approx(prefill + 80 * decode + update)
