@@ -1,12 +1,12 @@
 """The search-aware rollout engine: the host loop around the compiled sampler.
 
 A step's rows (prompt x G) go through a fixed number of decode slots. The device decodes every
-active slot until a row ends or pauses, or for `chunk_steps` tokens at most (so that answers
-that came back are inserted soon). At a boundary the host
-collects the rows that ended (their slots free up), sends the queries of rows that paused at
-`</search>` to the retriever on a thread pool, and in ONE batched call appends the result blocks
-that are ready, ends rows and admits queued rows into the free slots (a prompt that several slots
-take is prefilled once). A row that waits for its results holds its slot but not the others.
+active slot until a row ends or pauses, or for `chunk_steps` tokens at most (so that answers that
+came back are inserted soon). At a boundary the host collects the rows that ended (their slots
+free up), sends the queries of rows that paused at `</search>` to the retriever on a thread pool,
+and in ONE batched call appends the result blocks that are ready, ends rows and admits queued rows
+into the free slots (a prompt that several slots take is prefilled once). A row that waits for its
+results holds its slot but not the others.
 
 `lockstep=True` is the same engine with barriers: decoding runs until no row is active, the
 paused rows' queries go to the retriever together and are waited for, and rows are admitted only
@@ -69,7 +69,7 @@ class RolloutStats:
     insert_s: float = 0.0          # in refill calls: appends and admissions
     retrieval_s: float = 0.0       # spent in retriever calls (on the pool's threads)
     retrieval_wait_s: float = 0.0  # the host waited for results with nothing to decode
-    boundaries: int = 0            # host boundaries with device work for the host
+    boundaries: int = 0            # returns from the device to the host
     decode_steps: int = 0
     slot_steps: int = 0            # decode steps x slots (all processes')
     active_slot_steps: int = 0     # ... in which the slot decoded a row
