@@ -346,7 +346,7 @@ def _scripted_workload(tok, rows, width, seed=0):
 ENGINE_BASE = dict(max_searches=1, top_k=1, max_tokens_per_passage=24, max_block_tokens=100, max_note_tokens=16)
 
 
-def _engine_case(tok, greedy, mesh=None):
+def _engine_case(tok, greedy, mesh=None, window_steps=8):
     """A random Qwen2 over the real vocabulary, 3 prompts x G 3 under a scripted workload."""
     from policies import Qwen2Config, random_qwen2
 
@@ -356,7 +356,7 @@ def _engine_case(tok, greedy, mesh=None):
     prompts = [enc("Q: capital?"), enc("Where is the Nile and how high is Everest, and why?"), enc("x y")]
     sampler = Sampler(model, build_stop_automaton(tok, SEM.stop_strings, 151936),
                       SamplingConfig(max_new_tokens=40, greedy=greedy, eos_ids=(IM_END,), max_inserted_tokens=200),
-                      window_steps=8, mesh=mesh)
+                      window_steps=window_steps, mesh=mesh)
     return sampler, prompts, _scripted_workload(tok, len(prompts) * 3, 48)
 
 
@@ -368,7 +368,8 @@ def test_continuous_engine_samples_what_lockstep_samples(qwen25_tokenizer, retri
     tok = qwen25_tokenizer
     enc = lambda s: tok.encode(s, add_special_tokens=False)
     g = 3
-    sampler, prompts, script = _engine_case(tok, greedy)
+    # Greedy reads the whole cache (one window: fewer programs to compile); sampled grows windows.
+    sampler, prompts, script = _engine_case(tok, greedy, window_steps=0 if greedy else 8)
     base = dict(group_size=g, **ENGINE_BASE)
     runs = {}
     settings = [("lockstep", dict(lockstep=True), retriever),
@@ -410,7 +411,7 @@ def test_continuous_engine_on_the_spread_sampler_mesh(qwen25_tokenizer, retrieve
     tok = qwen25_tokenizer
     cfg = lambda **kw: RolloutConfig(group_size=3, **ENGINE_BASE, **kw)
     mesh = tensor_groups(make_mesh(data=1, fsdp=-1, tensor=1), 2, spread=True)
-    sampler, prompts, script = _engine_case(tok, False, mesh)
+    sampler, prompts, script = _engine_case(tok, False, mesh, window_steps=0)
     with jax.set_mesh(mesh):
         want, _ = rollout(sampler, tok, retriever, prompts, jax.random.key(5), cfg(lockstep=True), script=script)
         got, stats = rollout(sampler, tok, retriever, prompts, jax.random.key(5), cfg(slots=4, chunk_steps=3),
