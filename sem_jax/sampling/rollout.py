@@ -184,11 +184,13 @@ def rollout(sampler: Sampler, tokenizer, retriever, prompts: Sequence[Sequence[i
             blocks: list[list[int]] = [[] for _ in range(slots)]
             end, resume = np.zeros(slots, bool), np.zeros(slots, bool)
             finished = [s for s in range(slots) if slot_row[s] >= 0 and done[s]]
+            new_pauses = np.flatnonzero(paused & ~asked & (slot_row >= 0))
+            resp = sampler.local(state.resp) if finished or len(new_pauses) else None  # one transfer a boundary
             if finished:
-                _collect(sampler, state, tokenizer, finished, slot_row, rows, prompts, g, real, out, stats)
+                _collect(sampler, state, resp, lens, tokenizer, finished, slot_row, rows, prompts, g, real, out, stats)
                 slot_row[finished] = -1
             ask = []
-            for s in np.flatnonzero(paused & ~asked & (slot_row >= 0)):
+            for s in new_pauses:
                 row, asked[s] = slot_row[s], True
                 if row >= real:  # a padding row: end it, no retrieval
                     end[s] = True
@@ -199,7 +201,6 @@ def rollout(sampler: Sampler, tokenizer, retriever, prompts: Sequence[Sequence[i
                 else:  # asked again after the note: stop the row
                     end[s] = rows[row].ended_by_limit = True
             if ask:  # this process's rows only: every host searches for its own
-                resp = sampler.local(state.resp)
                 texts = [tokenizer.decode(resp[s, :lens[s]].tolist(), skip_special_tokens=True) for s in ask]
                 pending.append((pool.submit(_answer, retriever, protocol, tokenizer, texts, cfg), ask))
                 stats.retriever_calls += 1
@@ -265,12 +266,12 @@ def rollout(sampler: Sampler, tokenizer, retriever, prompts: Sequence[Sequence[i
     return [out[r] for r in range(real)], stats
 
 
-def _collect(sampler: Sampler, state, tokenizer, finished: list[int], slot_row: np.ndarray, rows: list[_Row],
-             prompts: Sequence[Sequence[int]], g: int, real: int, out: dict[int, Trajectory],
-             stats: RolloutStats) -> None:
-    """The trajectories of the rows that ended in `finished` slots (padding rows dropped)."""
-    resp, lp, sampled, lens, eos = (sampler.local(x) for x in (state.resp, state.resp_logprob, state.resp_sampled,
-                                                                 state.resp_len, state.eos))
+def _collect(sampler: Sampler, state, resp: np.ndarray, lens: np.ndarray, tokenizer, finished: list[int],
+             slot_row: np.ndarray, rows: list[_Row], prompts: Sequence[Sequence[int]], g: int, real: int,
+             out: dict[int, Trajectory], stats: RolloutStats) -> None:
+    """The trajectories of the rows that ended in `finished` slots (padding rows dropped); `resp`
+    and `lens`: this process's slots' responses and lengths, already read."""
+    lp, sampled, eos = (sampler.local(x) for x in (state.resp_logprob, state.resp_sampled, state.eos))
     now = time.perf_counter()
     for s in finished:
         row = int(slot_row[s])

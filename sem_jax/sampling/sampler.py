@@ -741,7 +741,8 @@ class Sampler:
                 n[j] = len(blocks[i])
         self.calls.record(f"insert@{window}", ids)
         resume = None if resume is None else self._rows(np.asarray(resume, bool))
-        if k >= b and not hosts.agree_max(len(admit)):  # every slot: the batch insert (what aot compiles)
+        admitting = hosts.agree_max(len(admit))
+        if k >= b and not admitting:  # every slot: the batch insert (what aot compiles)
             with self._on_mesh():
                 return insert_step(self.graphdef, self.params, self.layers, state, self._rows(ids), self._rows(n),
                                    self._rows(end), resume, window=window, chunk=self.insert_chunk)
@@ -749,7 +750,7 @@ class Sampler:
         first = jax.process_index() * b
         sel = None if k >= b else self._rows(np.array([total if i is None else first + i for i in rows], np.int32))
         arrays = None
-        if hosts.agree_max(len(admit)):
+        if admitting:
             arrays = tuple(self._rows(x) for x in self._admissions(b, admit))
             self.calls.record("admit", arrays[0])
         with self._on_mesh():
