@@ -75,8 +75,9 @@ def real_report():
             json.dump(report, f, indent=1, sort_keys=True)
 
 
-def write_hf_qwen2(path, *, seed=0, max_shard_size="5GB", dtype="float32", **overrides):
-    """Random-weight Qwen2 written by `transformers` itself; returns the torch model (eval)."""
+def write_hf_qwen2(path, *, seed=0, max_shard_size="5GB", dtype="float32", family="Qwen2", **overrides):
+    """Random-weight Qwen2 (or `family` Qwen3) written by `transformers` itself; returns the torch
+    model (eval)."""
     import torch
     import transformers
 
@@ -84,9 +85,9 @@ def write_hf_qwen2(path, *, seed=0, max_shard_size="5GB", dtype="float32", **ove
               num_attention_heads=6, num_key_value_heads=2, tie_word_embeddings=False,
               rope_theta=1e6, max_position_embeddings=256, rms_norm_eps=1e-6)
     kw.update(overrides)
-    cfg = transformers.Qwen2Config(**kw)
+    cfg = getattr(transformers, f"{family}Config")(**kw)
     torch.manual_seed(seed)
-    model = transformers.Qwen2ForCausalLM(cfg).eval()
+    model = getattr(transformers, f"{family}ForCausalLM")(cfg).eval()
     # HF initialises biases to 0 and norms to 1; randomise everything so that a
     # wrong bias, norm or transpose cannot hide.
     with torch.no_grad():
@@ -94,6 +95,12 @@ def write_hf_qwen2(path, *, seed=0, max_shard_size="5GB", dtype="float32", **ove
             p.copy_(torch.randn_like(p) * 0.2 + (1.0 if "norm" in name else 0.0))
     model.save_pretrained(str(path), max_shard_size=max_shard_size)
     return model
+
+
+def write_hf_qwen3(path, **kw):
+    """Random-weight Qwen3 written by `transformers` itself (head_dim apart from hidden / heads
+    unless overridden); returns the torch model (eval)."""
+    return write_hf_qwen2(path, family="Qwen3", **{"head_dim": 16, **kw})
 
 
 def torch_logits(model, tokens: np.ndarray) -> np.ndarray:

@@ -2,6 +2,8 @@
 three dots round it, the attention inputs against the model's XLA path, and the model's decode
 through them against XLA's."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -62,22 +64,33 @@ def test_fused_mlp_matches_the_three_dots(m, dtype):
     assert np.abs(got - other).mean() > 10 * np.abs(got - want).mean()
 
 
+@pytest.mark.parametrize("qk_norm", [False, True], ids=["qwen2", "qwen3"])
 @pytest.mark.parametrize("hq,hk", [(7, 1), (2, 2), (8, 4)])  # heads stored before the embedding or after
-def test_fused_qkv_matches_the_model(hq, hk):
+def test_fused_qkv_matches_the_model(hq, hk, qk_norm):
     """Rows [16, 384] (the embedding in 3 blocks), layer 1 of 3 stacked kernels: the norm, the
-    projections, their biases and the rotary embedding as `Qwen2` computes them in bfloat16."""
+    projections, their biases (Qwen2) or zeros and each head's norm (Qwen3), and the rotary
+    embedding as the model computes them in bfloat16."""
     rng = np.random.RandomState(1)
     n, e, d, layers = 16, 384, 128, 3
     bf = lambda *shape, s=1.0: jnp.asarray(rng.randn(*shape) * s, jnp.bfloat16)
     x, nw = bf(n, e, s=3.0), jnp.asarray(1 + rng.randn(e) * 0.3, jnp.bfloat16)
     wq, wk, wv = bf(layers, e, hq, d, s=e ** -0.5), bf(layers, e, hk, d, s=e ** -0.5), bf(layers, e, hk, d, s=e ** -0.5)
     bq, bk, bv = bf(hq, d), bf(hk, d), bf(hk, d)
+    qn, kn = (jnp.asarray(1 + rng.randn(d) * 0.3, jnp.bfloat16) for _ in range(2))
+    if qk_norm:
+        bq, bk, bv = (jnp.zeros_like(b) for b in (bq, bk, bv))
     cos, sin = rope_tables(jnp.asarray(rng.randint(0, 4000, (n, 1))), d, 1e6)  # [N, 1, D]
-    q, k, v = fused_qkv(x, rms_scale(x, EPS), nw[None], wq, wk, wv, bq, bk, bv, cos[:, 0], sin[:, 0],
-                        jnp.int32(1), interpret=True)
+    # Without XLA:CPU's excess precision, which drops the interpreted kernel's float32 -> bfloat16
+    # -> float32 round trips (before the norm's mean: a third of Qwen3's q one ulp off); Mosaic
+    # rounds as written.
+    kernel = jax.jit(lambda x: fused_qkv(x, rms_scale(x, EPS), nw[None], wq, wk, wv, bq, bk, bv, cos[:, 0], sin[:, 0],
+                                         jnp.int32(1), qk_norm=(qn, kn, EPS) if qk_norm else None, interpret=True),
+                     compiler_options={"xla_allow_excess_precision": False})
+    q, k, v = kernel(x)
     h = rms_norm(x, nw, EPS)
     proj = lambda w, b: (_dense(h, {"w": w[1]}, "w").reshape(n, 1, -1, d) + b)
-    want = (apply_rope(proj(wq, bq), cos, sin), apply_rope(proj(wk, bk), cos, sin), proj(wv, bv))
+    norm = (lambda y, w: rms_norm(y, w, EPS)) if qk_norm else (lambda y, w: y)
+    want = (apply_rope(norm(proj(wq, bq), qn), cos, sin), apply_rope(norm(proj(wk, bk), kn), cos, sin), proj(wv, bv))
     for got, ref in zip((q, k, v), want):
         assert got.dtype == jnp.bfloat16 and got.shape == ref.shape[:1] + ref.shape[2:]
         got, ref = np.asarray(got, np.float32), np.asarray(ref[:, 0], np.float32)
@@ -114,11 +127,13 @@ def _decode(model, mesh, steps: int = 3) -> np.ndarray:
     return np.stack(out)
 
 
-def test_decode_through_the_kernels_matches_xla():
+@pytest.mark.parametrize("model_type", ["qwen2", "qwen3"])
+def test_decode_through_the_kernels_matches_xla(model_type):
     """Decode steps on the spread mesh (8 devices: 4 groups of 2, the MLP split over all 8): each
     layer's attention inputs (`fused_qkv`) and MLP (`fused_mlp`) in the kernels, on the stacked
     weights by the layer's index, give XLA's logits, also XLA's on the training mesh."""
-    model = random_qwen2(0, CFG)
+    model = random_qwen2(0, dataclasses.replace(CFG, model_type=model_type))
+    assert ("q_norm" in model.layers) == (model_type == "qwen3") != ("q_bias" in model.layers)
     mesh = tensor_groups(make_mesh(data=1, fsdp=-1, tensor=1), 2, spread=True)
     got = {}
     for mode in ("interpret", "xla"):

@@ -1,4 +1,4 @@
-"""The Flax Qwen2 against Hugging Face `Qwen2ForCausalLM` (torch, f32)."""
+"""The Flax model against Hugging Face `Qwen2ForCausalLM` and `Qwen3ForCausalLM` (torch, f32)."""
 
 import json
 import os
@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import torch_logits, write_hf_qwen2
+from conftest import torch_logits, write_hf_qwen2, write_hf_qwen3
 
 from sem_jax.model import from_pretrained, save_pretrained
 from sem_jax.model.safetensors_io import SafetensorsFile
@@ -19,6 +19,12 @@ CONFIGS = {
     "tied_odd": dict(vocab_size=203, hidden_size=40, intermediate_size=72, num_hidden_layers=2,
                      num_attention_heads=5, num_key_value_heads=1, tie_word_embeddings=True,
                      rope_theta=10000.0),
+    # Qwen3: per-head q/k norms, no biases, head_dim 16 apart from hidden / heads = 8; sharded.
+    "qwen3_untied_gqa_sharded": dict(family="Qwen3", head_dim=16, max_shard_size="60KB"),
+    # Qwen3 tied, odd widths, head_dim 6 over hidden 40 / 5 heads = 8.
+    "qwen3_tied_odd": dict(family="Qwen3", vocab_size=203, hidden_size=40, intermediate_size=72,
+                           num_hidden_layers=2, num_attention_heads=5, num_key_value_heads=1, head_dim=6,
+                           tie_word_embeddings=True, rope_theta=10000.0),
 }
 
 
@@ -66,7 +72,8 @@ def test_round_trip_bit_identical_and_loadable(hf_model, tmp_path):
     for name, fname in index.items():
         got = SafetensorsFile(str(tmp_path / fname))[name]
         assert got.dtype == np.float32 and np.array_equal(got, src[name]), name
-    again = transformers.Qwen2ForCausalLM.from_pretrained(str(tmp_path)).eval()
+    again = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path)).eval()
+    assert type(again) is type(ref)
     tokens = np.random.RandomState(2).randint(0, model.config.vocab_size, (2, 11))
     np.testing.assert_array_equal(torch_logits(again, tokens), torch_logits(ref, tokens))
 
@@ -151,3 +158,27 @@ def test_a_truncated_checkpoint_is_refused_naming_the_tensor_and_bytes(tmp_path)
     with pytest.raises(ValueError, match=r"model\.safetensors: truncated: tensor '[^']+' needs bytes \d+\.\.\d+ of the "
                                          rf"file, which has {len(data) - 1000} \(\d+ missing\)"):
         from_pretrained(str(tmp_path / "ok"))
+
+
+@pytest.mark.parametrize("per_layer", [False, True])
+def test_qwen3_greedy_sampler_equals_hf_generate(tmp_path, per_layer):
+    """Greedy decoding of a ragged batch through the sampler (prefill, cache, decode steps; the
+    stacked and the per-layer layouts) gives transformers' `generate` tokens on a Qwen3."""
+    import torch
+
+    from sem_jax.sampling import Sampler, SamplingConfig, stop_automaton_from_bytes
+
+    ref = write_hf_qwen3(tmp_path, head_dim=16)
+    model = from_pretrained(str(tmp_path))
+    assert model.config.model_type == "qwen3" and model.config.head_dim == 16
+    never = stop_automaton_from_bytes([bytes([97 + i % 26]) for i in range(320)], ("</search>",))
+    prompts = [[5, 17, 42], [9, 1, 2, 3, 4, 5, 6, 7, 8, 100], [33]]
+    new = 20
+    sampler = Sampler(model, never, SamplingConfig(max_new_tokens=new, greedy=True), per_layer=per_layer)
+    state = sampler.decode(sampler.start(prompts, 1, jax.random.key(0)))
+    resp = np.asarray(state.resp)
+    for i, p in enumerate(prompts):
+        with torch.no_grad():
+            out = ref.generate(torch.tensor([p]), max_new_tokens=new, min_new_tokens=new, do_sample=False,
+                               pad_token_id=0)
+        assert resp[i].tolist() == out[0, len(p):].tolist(), i

@@ -278,7 +278,7 @@ from sem_jax.sharding import make_mesh, tensor_groups
 set_analysis_flags()  # CMEM staging off: the bytes counted are HBM bytes
 devices = target_devices("v4:2x2x1")
 cfg = Qwen2Config(vocab_size=512, hidden_size=256, intermediate_size=2048, num_layers=2, num_heads=4,
-                  num_kv_heads=2, head_dim=128, rope_theta=1e6)
+                  num_kv_heads=2, head_dim=128, rope_theta=1e6, model_type=MODEL_TYPE)
 config = load(base_config()).replace(**{"model.compute_dtype": "bfloat16", "model.remat": "none"})
 out = {}
 for spread in (False, True):
@@ -335,7 +335,7 @@ for shape in [(3584, 1184), (1184, 3584), (3584, 1024), (512, 296), (2, 3584, 7,
     rules[str(shape)] = [list(order), list(want), shape[-2] == 1]
 # One decode step through the kernels and through XLA.
 cfg = Qwen2Config(vocab_size=512, hidden_size=512, intermediate_size=4 * 296, num_layers=2, num_heads=4,
-                  num_kv_heads=2, head_dim=128, rope_theta=1e6)
+                  num_kv_heads=2, head_dim=128, rope_theta=1e6, model_type=MODEL_TYPE)
 config = load(base_config()).replace(**{"model.compute_dtype": "bfloat16", "model.remat": "none"})
 mesh = tensor_groups(make_mesh(devices=devices), 2, True)
 model, _, params = abstract_model(config, cfg, mesh, jnp.bfloat16, scan_unroll=2)
@@ -354,15 +354,16 @@ print(json.dumps(out))
 """
 
 
-def test_decode_kernels_compile_for_tpu_and_read_the_stacked_weights_in_place():
+@pytest.mark.parametrize("model_type", ["qwen2", "qwen3"])
+def test_decode_kernels_compile_for_tpu_and_read_the_stacked_weights_in_place(model_type):
     """A decode step on the spread mesh of 4 TPU devices (2 groups of 2): the TPU's default layouts
     are the ones `tpu_layout` says (a device's MLP slice [512, 296] stored transposed, 7 or 10 heads
-    stored before the embedding); through `fused_qkv` and `fused_mlp` the step copies no weight
-    (a layer's q kernel slice is 128 KB: a weight read in the wrong order would be copied whole),
-    and reads fewer bytes than through XLA, by at least the activations the MLP's three dots
-    write and read back."""
+    stored before the embedding); through `fused_qkv` (with Qwen3's per-head norms in it) and
+    `fused_mlp` the step copies no weight (a layer's q kernel slice is 128 KB: a weight read in the
+    wrong order would be copied whole), and reads fewer bytes than through XLA, by at least the
+    activations the MLP's three dots write and read back."""
     pytest.importorskip("libtpu", reason="jax[tpu] (libtpu) not installed: the compile-only TPU check is skipped")
-    got = _tpu_script(DECODE_KERNELS_COMPILE)
+    got = _tpu_script(f"MODEL_TYPE = {model_type!r}\n" + DECODE_KERNELS_COMPILE)
     for shape, (order, want, single) in got["rules"].items():
         assert single or order == want, (shape, order, want)  # a dim of 1 lies anywhere
     assert got["pallas"]["kernels"] == ["fused_qkv", "fused_mlp"] and not got["xla"]["kernels"]

@@ -1,5 +1,6 @@
 """A decode step's attention inputs in one Pallas TPU kernel: the layer's input norm, the query,
-key and value projections with their biases, and the rotary embedding.
+key and value projections with their biases (Qwen2) or their per-head norms (Qwen3), and the
+rotary embedding.
 
 Through XLA each projection reads the step's rows again (normed on the fly), the query's bias,
 its rotation's halves and the rotation each go through HBM: at a 7B decode step about 2.5 MB of
@@ -46,8 +47,10 @@ def rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
 
 
 def _kernel(layer_ref, x_ref, r_ref, nw_ref, qw_ref, kw_ref, vw_ref, qb_ref, kb_ref, vb_ref, cos_ref, sin_ref,
-            q_out, k_out, v_out, acc_q, acc_k, acc_v, *, steps: int, moved: tuple[bool, bool]):
+            *refs, steps: int, moved: tuple[bool, bool], eps: float | None):
     del layer_ref  # used by the index maps only
+    qn_ref, kn_ref = refs[:2] if eps is not None else (None, None)
+    q_out, k_out, v_out, acc_q, acc_k, acc_v = refs[-6:]
     i = pl.program_id(0)
 
     @pl.when(i == 0)
@@ -63,24 +66,32 @@ def _kernel(layer_ref, x_ref, r_ref, nw_ref, qw_ref, kw_ref, vw_ref, qb_ref, kb_
 
     @pl.when(i == steps - 1)
     def _():
-        # Rounded as XLA's path rounds: the projection, plus its bias, then the rotation.
+        # Rounded as XLA's path rounds: the projection, plus its bias, its head's norm, then the
+        # rotation.
         dt = q_out.dtype
         cos, sin = cos_ref[...], sin_ref[...]
-        for acc, b_ref, out, rotate in ((acc_q, qb_ref, q_out, True), (acc_k, kb_ref, k_out, True),
-                                        (acc_v, vb_ref, v_out, False)):
+        for acc, b_ref, n_ref, out, rotate in ((acc_q, qb_ref, qn_ref, q_out, True), (acc_k, kb_ref, kn_ref, k_out, True),
+                                               (acc_v, vb_ref, None, v_out, False)):
             for j in range(acc.shape[0]):
                 y = (acc[j].astype(dt).astype(jnp.float32) + b_ref[j:j + 1, :].astype(jnp.float32)).astype(dt)
+                if n_ref is not None:
+                    yf = y.astype(jnp.float32)
+                    scale = jax.lax.rsqrt(jnp.mean(yf * yf, axis=-1, keepdims=True) + eps)
+                    y = normed(y, scale, n_ref[...])
                 y = y.astype(jnp.float32)
                 out[:, j, :] = (rope(y, cos, sin) if rotate else y).astype(dt)
 
 
 def fused_qkv(x: jax.Array, scale: jax.Array, norm_weight: jax.Array, wq: jax.Array, wk: jax.Array,
               wv: jax.Array, bq: jax.Array, bk: jax.Array, bv: jax.Array, cos: jax.Array, sin: jax.Array,
-              layer: jax.Array, *, interpret: bool = False) -> tuple[jax.Array, jax.Array, jax.Array]:
+              layer: jax.Array, *, qk_norm: tuple[jax.Array, jax.Array, float] | None = None,
+              interpret: bool = False) -> tuple[jax.Array, jax.Array, jax.Array]:
     """q, k, v [N, H, D] (q and k rotated) for rows x [N, E] normed as `spread_mlp.normed(x,
     scale [N, 1], norm_weight [1, E])`, layer `layer` of the stacked kernels wq [L, E, Hq, D], wk
-    and wv [L, E, Hk, D] (read where they lie), that layer's biases bq [Hq, D], bk and bv [Hk, D],
-    and each row's rotary tables cos, sin [N, D] float32, in x's dtype."""
+    and wv [L, E, Hk, D] (read where they lie), that layer's biases bq [Hq, D], bk and bv [Hk, D]
+    (zeros for a model without), and each row's rotary tables cos, sin [N, D] float32, in x's
+    dtype. `qk_norm` = (q's norm weight [1, D], k's, eps): each head of q and k RMS-normed before
+    its rotation (Qwen3)."""
     n, e = x.shape
     hq, hk, d = wq.shape[2], wk.shape[2], wq.shape[3]
     plan = _plan(n, e, hq + 2 * hk, d, x.dtype.itemsize)
@@ -101,14 +112,16 @@ def fused_qkv(x: jax.Array, scale: jax.Array, norm_weight: jax.Array, wq: jax.Ar
     cost = pl.CostEstimate(flops=2 * n * e * (hq + 2 * hk) * d, transcendentals=0,
                            bytes_accessed=item * (n * e + e + (e + 1 + n) * (hq + 2 * hk) * d) + 4 * n * (1 + 2 * d))
     out = lambda h: jax.ShapeDtypeStruct((n, h, d), x.dtype)
+    norms = [] if qk_norm is None else [w.reshape(1, d) for w in qk_norm[:2]]
     return pl.pallas_call(
-        functools.partial(_kernel, steps=steps, moved=moved),
+        functools.partial(_kernel, steps=steps, moved=moved, eps=None if qk_norm is None else float(qk_norm[2])),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=1, grid=(steps,),
             in_specs=[pl.BlockSpec((n, eb), lambda i, l: (0, i)), whole(n, 1),
                       pl.BlockSpec((1, eb), lambda i, l: (0, i)),
                       w_spec(hq, moved[0]), w_spec(hk, moved[1]), w_spec(hk, moved[1]),
-                      whole(hq, d), whole(hk, d), whole(hk, d), whole(n, d), whole(n, d)],
+                      whole(hq, d), whole(hk, d), whole(hk, d), whole(n, d), whole(n, d),
+                      *(whole(1, d) for _ in norms)],
             out_specs=[whole(n, hq, d), whole(n, hk, d), whole(n, hk, d)],
             scratch_shapes=[pltpu.VMEM((hq, n, d), jnp.float32), pltpu.VMEM((hk, n, d), jnp.float32),
                             pltpu.VMEM((hk, n, d), jnp.float32)]),
@@ -116,4 +129,4 @@ def fused_qkv(x: jax.Array, scale: jax.Array, norm_weight: jax.Array, wq: jax.Ar
         compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary",), vmem_limit_bytes=2 * need + 2**21),
         cost_estimate=cost, interpret=interpret, name="fused_qkv",
     )(jnp.reshape(layer, (1,)).astype(jnp.int32), x, scale.astype(jnp.float32), norm_weight, wq, wk, wv,
-      bq, bk, bv, cos, sin)
+      bq, bk, bv, cos, sin, *norms)

@@ -1,4 +1,4 @@
-"""Hugging Face Qwen2 checkpoints <-> sem_jax models.
+"""Hugging Face Qwen2 / Qwen2.5 / Qwen3 checkpoints <-> sem_jax models.
 
 Loading streams: each parameter is built with `jax.make_array_from_callback`,
 so every device reads only its own slice straight from the memory-mapped
@@ -36,6 +36,8 @@ LAYER_MAP: dict[str, tuple[str, Any]] = {
     "k_bias": ("self_attn.k_proj.bias", "flat"),
     "v_kernel": ("self_attn.v_proj.weight", 1),
     "v_bias": ("self_attn.v_proj.bias", "flat"),
+    "q_norm": ("self_attn.q_norm.weight", "same"),
+    "k_norm": ("self_attn.k_norm.weight", "same"),
     "o_kernel": ("self_attn.o_proj.weight", 2),
     "post_norm": ("post_attention_layernorm.weight", "same"),
     "gate_kernel": ("mlp.gate_proj.weight", 1),
@@ -133,7 +135,7 @@ def read_config(path: str) -> Qwen2Config:
 
 def from_pretrained(path: str, *, dtype: Any = jnp.float32, compute_dtype: Any = None,
                     mesh: Mesh | None = None, remat: str = "none", kernels: str = "auto") -> Qwen2:
-    """Load a local Hugging Face Qwen2 directory as a sem_jax `Qwen2`.
+    """Load a local Hugging Face Qwen2 or Qwen3 directory as a sem_jax `Qwen2` (the model of both).
 
     `dtype` is the parameter dtype, `compute_dtype` the activation dtype (defaults
     to `dtype`); `kernels` both of `Qwen2`'s kernel modes. With `mesh`, each parameter is
@@ -172,7 +174,7 @@ def from_pretrained(path: str, *, dtype: Any = jnp.float32, compute_dtype: Any =
     used = {hf for hf, *_ in hf_tensors(cfg)}
     unused = sorted(set(ckpt.where) - used - {"lm_head.weight"})
     if unused:
-        log.warning("%s: %d tensor(s) not used by Qwen2: %s", path, len(unused), unused[:5])
+        log.warning("%s: %d tensor(s) not used by %s: %s", path, len(unused), cfg.architecture, unused[:5])
     return model
 
 
@@ -196,7 +198,8 @@ def _host(x: jax.Array) -> np.ndarray:
 
 def save_pretrained(model: Qwen2, path: str, *, max_shard_size: int | str = "5GB",
                     dtype: Any = None) -> list[str]:
-    """Write `model` as a Hugging Face Qwen2 directory that `transformers` loads.
+    """Write `model` as a Hugging Face directory of its architecture (Qwen2 or Qwen3) that
+    `transformers` loads.
 
     Writes config.json, generation_config.json and safetensors in `dtype` (default:
     the parameter dtype), split into `model-0000k-of-0000N.safetensors` with an index

@@ -1,4 +1,5 @@
-"""Qwen2 decoder in Flax NNX, numerically the same model as HF `Qwen2ForCausalLM`.
+"""The Qwen2 / Qwen3 decoder in Flax NNX, numerically the same model as HF `Qwen2ForCausalLM`
+and `Qwen3ForCausalLM` (the config's `model_type` switches q/k/v biases for per-head q/k norms).
 
 Layers are stored stacked (leading `layers` axis) and run under `lax.scan`, so
 compile time does not grow with depth. Every parameter carries its logical axis
@@ -27,6 +28,8 @@ LAYER_PARAMS: dict[str, tuple[tuple[str, ...], str]] = {
     "k_bias": (("layers", "kv_heads", "head_dim"), "zeros"),
     "v_kernel": (("layers", "embed", "kv_heads", "head_dim"), "normal"),
     "v_bias": (("layers", "kv_heads", "head_dim"), "zeros"),
+    "q_norm": (("layers", "head_dim"), "ones"),
+    "k_norm": (("layers", "head_dim"), "ones"),
     "o_kernel": (("layers", "heads", "head_dim", "embed"), "normal"),
     "post_norm": (("layers", "embed"), "ones"),
     "gate_kernel": (("layers", "embed", "mlp"), "normal"),
@@ -97,15 +100,22 @@ class KVCache:
         return KVCache(k=kv(self.k), v=kv(self.v), lengths=rep(self.lengths, 0))
 
 
+QKV_BIASES = ("q_bias", "k_bias", "v_bias")
+QK_NORMS = ("q_norm", "k_norm")
+
+
 def _layer_shapes(cfg: Qwen2Config) -> dict[str, tuple[int, ...]]:
+    """Each layer parameter's stacked shape, those of the config's architecture only."""
     l, e, h, k, d, m = (cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads,
                         cfg.head_dim, cfg.intermediate_size)
-    return {
+    shapes = {
         "input_norm": (l, e), "q_kernel": (l, e, h, d), "q_bias": (l, h, d),
         "k_kernel": (l, e, k, d), "k_bias": (l, k, d), "v_kernel": (l, e, k, d),
-        "v_bias": (l, k, d), "o_kernel": (l, h, d, e), "post_norm": (l, e),
+        "v_bias": (l, k, d), "q_norm": (l, d), "k_norm": (l, d), "o_kernel": (l, h, d, e), "post_norm": (l, e),
         "gate_kernel": (l, e, m), "up_kernel": (l, e, m), "down_kernel": (l, m, e),
     }
+    absent = (() if cfg.attention_bias else QKV_BIASES) + (() if cfg.qk_norm else QK_NORMS)
+    return {name: shape for name, shape in shapes.items() if name not in absent}
 
 
 def param_shapes(cfg: Qwen2Config) -> dict[str, tuple[tuple[int, ...], tuple[str, ...]]]:
@@ -265,7 +275,7 @@ class Qwen2(nnx.Module):
         shapes = param_shapes(config)
         self.embed = param(*shapes["embed"], "normal")
         self.layers = nnx.Dict({name: param(*shapes[f"layers.{name}"], kind)
-                                for name, (_, kind) in LAYER_PARAMS.items()})
+                                for name, (_, kind) in LAYER_PARAMS.items() if f"layers.{name}" in shapes})
         self.final_norm = param(*shapes["final_norm"], "ones")
         if not config.tie_word_embeddings:
             self.lm_head = param(*shapes["lm_head"], "normal")
@@ -560,9 +570,12 @@ class Qwen2(nnx.Module):
             q, k, v = self._fused_qkv(x, p, layer, cos, sin, mode)
         else:
             h = rms_norm(x, p["input_norm"], c.rms_norm_eps).reshape(b * t, e)
-            q = _dense(h, p, "q_kernel").reshape(b, t, c.num_heads, c.head_dim) + p["q_bias"]
-            k = _dense(h, p, "k_kernel").reshape(b, t, c.num_kv_heads, c.head_dim) + p["k_bias"]
-            v = _dense(h, p, "v_kernel").reshape(b, t, c.num_kv_heads, c.head_dim) + p["v_bias"]
+            q, k, v = (_dense(h, p, f"{n}_kernel").reshape(b, t, heads, c.head_dim)
+                       for n, heads in (("q", c.num_heads), ("k", c.num_kv_heads), ("v", c.num_kv_heads)))
+            if c.attention_bias:
+                q, k, v = q + p["q_bias"], k + p["k_bias"], v + p["v_bias"]
+            if c.qk_norm:  # Qwen3: each head normed over head_dim, before the rotation
+                q, k = rms_norm(q, p["q_norm"], c.rms_norm_eps), rms_norm(k, p["k_norm"], c.rms_norm_eps)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         q = constrain(q, ("batch", "length", "act_heads", "head_dim"))
         k = constrain(k, ("batch", "length", "act_kv_heads", "head_dim"))
@@ -603,26 +616,28 @@ class Qwen2(nnx.Module):
         spec = lambda names, a: logical_to_spec(names, a.shape, shape)
         names = ("q_kernel", "k_kernel", "v_kernel")
         stacked = [self.layers[k][...] for k in names]
-        biases = [p[k] for k in ("q_bias", "k_bias", "v_bias")]
+        # A model without biases adds zeros: exact, and one kernel for both families.
+        biases = [p[k] if c.attention_bias else jnp.zeros(w.shape[2:], self.dtype) for k, w in zip(QKV_BIASES, stacked)]
+        norms = [p[k] for k in QK_NORMS] if c.qk_norm else []
         rows = ("batch", "length", None)
         out_axes = [("batch", a, "head_dim") for a in ("act_heads", "act_kv_heads", "act_kv_heads")]
 
-        def local(x, nw, wq, wk, wv, bq, bk, bv, cos, sin, layer):
+        def local(x, nw, wq, wk, wv, bq, bk, bv, cos, sin, layer, *norms):
             r, t, e = x.shape
             flat = x.reshape(r * t, e)
             return qkv.fused_qkv(flat, rms_scale(flat, c.rms_norm_eps), nw.reshape(1, e), wq, wk, wv,
-                                        bq, bk, bv, cos.reshape(r * t, -1), sin.reshape(r * t, -1), layer,
-                                        interpret=mode == "interpret")
+                                 bq, bk, bv, cos.reshape(r * t, -1), sin.reshape(r * t, -1), layer,
+                                 qk_norm=(*norms, c.rms_norm_eps) if norms else None, interpret=mode == "interpret")
 
-        args = (x, p["input_norm"], *stacked, *biases, cos, sin, layer)
+        args = (x, p["input_norm"], *stacked, *biases, cos, sin, layer, *norms)
         if mesh.empty:
             out = local(*args)
         else:
             P = jax.sharding.PartitionSpec
             in_specs = (spec(("batch", "length", "act_embed"), x), P(),
                         *(spec(LAYER_PARAMS[k][0], w) for k, w in zip(names, stacked)),
-                        *(spec(LAYER_PARAMS[k][0][1:], w) for k, w in zip(("q_bias", "k_bias", "v_bias"), biases)),
-                        spec(rows, cos), spec(rows, sin), P())
+                        *(spec(LAYER_PARAMS[k][0][1:], w) for k, w in zip(QKV_BIASES, biases)),
+                        spec(rows, cos), spec(rows, sin), P(), *(P() for _ in norms))
             out_specs = tuple(logical_to_spec(a, (x.shape[0], h, c.head_dim), shape)
                               for a, h in zip(out_axes, (c.num_heads, c.num_kv_heads, c.num_kv_heads)))
             out = jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)(*args)
