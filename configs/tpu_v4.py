@@ -18,7 +18,7 @@ from sem_jax.config import base_config, paper_recipe
 # - Qwen3-8B and Qwen3-14B: QWEN3_FIT below.
 MODELS = {"7b": ("/mnt/disks/models/Qwen2.5-7B-Instruct", "qwen2.5-7b", 16),
           "14b": ("/mnt/disks/models/Qwen2.5-14B-Instruct", "qwen2.5-14b", 2),
-          "qwen3-8b": ("/mnt/disks/models/Qwen3-8B", "qwen3-8b", 16),
+          "qwen3-8b": ("/mnt/disks/models/Qwen3-8B", "qwen3-8b", 32),
           "qwen3-14b": ("/mnt/disks/models/Qwen3-14B", "qwen3-14b", 2)}
 
 

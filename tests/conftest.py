@@ -113,3 +113,28 @@ def torch_logits(model, tokens: np.ndarray) -> np.ndarray:
 def qwen25_tokenizer():
     from sem_jax.model.tokenizer import build_qwen25_tokenizer
     return build_qwen25_tokenizer()
+
+
+@pytest.fixture(scope="session")
+def qwen3_tokenizer():
+    from sem_jax.model.tokenizer import build_qwen3_tokenizer
+    return build_qwen3_tokenizer()
+
+
+@pytest.fixture(scope="session")
+def qwen3_special_tags_tokenizer():
+    """Qwen3's vocabulary with its four added tags marked special (as a fine-tune may mark them):
+    decoding with `skip_special_tokens` would drop them."""
+    from sem_jax.model import tokenizer as t
+    return t._build_qwen(t.QWEN25_ADDED_TOKENS + tuple((c, True) for c, _ in t.QWEN3_ADDED_TOKENS[len(t.QWEN25_ADDED_TOKENS):]),
+                         t.QWEN3_CHAT_TEMPLATE, None)
+
+
+# The tags as several BPE pieces (Qwen2.5), one added token (Qwen3), one special token.
+TOKENIZERS = ("qwen25_tokenizer", "qwen3_tokenizer", "qwen3_special_tags_tokenizer")
+
+
+@pytest.fixture(params=TOKENIZERS, ids=lambda name: name.removesuffix("_tokenizer"))
+def qwen_tokenizer(request):
+    """Each of `TOKENIZERS` in turn, for the tests whose protocol code must work on all three."""
+    return request.getfixturevalue(request.param)

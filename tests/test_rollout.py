@@ -59,12 +59,15 @@ def test_stop_on_every_tokenization(qwen25_tokenizer, automaton, pieces):
     assert automaton.feed(ids) == [n == hit for n in range(len(ids))]
 
 
-def test_stop_in_tokenizer_contexts(qwen25_tokenizer, automaton):
+def test_stop_in_tokenizer_contexts(qwen_tokenizer):
+    """Also beside tags that are one token (Qwen3's `</think>`), special or not."""
+    automaton = build_stop_automaton(qwen_tokenizer, SEM.stop_strings)
     for text in ["Why </search>", "x?</search>\n\nok", "<search>capital of France</search>",
-                 "a</search></search>b", "((</search>))"]:
-        ids = qwen25_tokenizer.encode(text, add_special_tokens=False)
+                 "a</search></search>b", "((</search>))", "<think>x</think><search>q</search><think>",
+                 "</think></search></think>", "<tool_response></search></tool_response>"]:
+        ids = qwen_tokenizer.encode(text, add_special_tokens=False)
         hits = automaton.feed(ids)
-        assert sum(hits) == text.count("</search>") and hits.index(True) == _first_hit(qwen25_tokenizer, ids)
+        assert sum(hits) == text.count("</search>") and hits.index(True) == _first_hit(qwen_tokenizer, ids)
 
 
 def test_near_misses_do_not_stop(qwen25_tokenizer, automaton):
@@ -142,8 +145,8 @@ def _script(tok, prompt, parts, group_size):
     return np.array([ids] * group_size), ids
 
 
-def test_scripted_rollout_two_searches(qwen25_tokenizer, retriever):
-    tok = qwen25_tokenizer
+def test_scripted_rollout_two_searches(qwen_tokenizer, retriever):
+    tok = qwen_tokenizer
     cfg = RolloutConfig(group_size=3, max_searches=2, top_k=2, max_tokens_per_passage=32, max_block_tokens=512,
                         max_note_tokens=64)
     enc = lambda s: tok.encode(s, add_special_tokens=False)
@@ -174,7 +177,9 @@ def test_scripted_rollout_two_searches(qwen25_tokenizer, retriever):
         assert t.response_ids[t.loss_mask == 0].tolist() == b1 + b2
         assert (t.logprobs[t.loss_mask == 0] == 0).all() and (t.logprobs[t.loss_mask == 1] > -1e-3).all()
         assert "(1) Paris: Paris is the capital" in t.text and "(1) Mount Everest:" in t.text
-        assert t.text.endswith("<answer>Paris</answer>")
+        assert t.text.endswith("<answer>Paris</answer>") and t.text.startswith("<think>I think so.</think>")
+        parsed = SEM.parse(t.text)
+        assert parsed.valid and parsed.answer == "Paris" and parsed.thinks[0] == "I think so.", parsed
 
 
 def test_search_limit_note_then_stop(qwen25_tokenizer, retriever):
@@ -282,7 +287,7 @@ def test_budget_counts_inserted_tokens(qwen25_tokenizer, retriever):
     assert t.loss_mask.tolist() == [1] * len(t1) + [0] * 5
 
 
-def test_research_protocol_rollout_inserts_researchs_blocks_and_scores_the_boxed_answer(qwen25_tokenizer, retriever):
+def test_research_protocol_rollout_inserts_researchs_blocks_and_scores_the_boxed_answer(qwen_tokenizer, retriever):
     """The whole loop under protocol=research: its prompt, its ` <result>` blocks, its parser and
     reward on what was sampled."""
     from sem_jax.data.example import Example
@@ -290,7 +295,7 @@ def test_research_protocol_rollout_inserts_researchs_blocks_and_scores_the_boxed
     from sem_jax.protocol import RESEARCH
     from sem_jax.rewards.rules import RewardParams, get_reward
 
-    tok = qwen25_tokenizer
+    tok = qwen_tokenizer
     enc = lambda s: tok.encode(s, add_special_tokens=False)
     ex = Example("q", "What is the capital of France?", ("Paris",), "musique", True)
     prompt = RESEARCH.encode_prompt(tok, ex)

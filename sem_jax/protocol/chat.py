@@ -12,6 +12,15 @@ def question_text(ex: Example) -> str:
     return ex.question
 
 
+def response_text(tokenizer, ids) -> str:
+    """A response's text for the parsers: every token decoded but the tokenizer's named special ones
+    (EOS, padding). A tag that is one added token stays in the text whether or not the tokenizer
+    marks it special (Qwen3's `<think>` is not; a fine-tune's may be), where `skip_special_tokens`
+    would drop it."""
+    drop = set(tokenizer.all_special_ids)
+    return tokenizer.decode([int(i) for i in ids if int(i) not in drop], skip_special_tokens=False)
+
+
 def chat_prompt(ex: Example, system_prompt: str) -> str:
     """The prompt text up to the assistant turn, in Qwen's chat format."""
     return (f"<|im_start|>system\n{system_prompt}<|im_end|>\n"

@@ -30,6 +30,7 @@ import numpy as np
 
 from sem_jax import hosts
 from sem_jax.protocol import SEM, Protocol
+from sem_jax.protocol.chat import response_text
 from sem_jax.sampling.sampler import Sampler, bucket_length
 
 
@@ -201,7 +202,7 @@ def rollout(sampler: Sampler, tokenizer, retriever, prompts: Sequence[Sequence[i
                 else:  # asked again after the note: stop the row
                     end[s] = rows[row].ended_by_limit = True
             if ask:  # this process's rows only: every host searches for its own
-                texts = [tokenizer.decode(resp[s, :lens[s]].tolist(), skip_special_tokens=True) for s in ask]
+                texts = [response_text(tokenizer, resp[s, :lens[s]]) for s in ask]
                 pending.append((pool.submit(_answer, retriever, protocol, tokenizer, texts, cfg), ask))
                 stats.retriever_calls += 1
             idle = not (~paused & ~done).any() and not resume.any() and not (queue and (slot_row < 0).any())
@@ -285,7 +286,7 @@ def _collect(sampler: Sampler, state, resp: np.ndarray, lens: np.ndarray, tokeni
         t = out[row] = Trajectory(
             prompt_index=row // g, prompt_ids=list(prompts[row // g]), response_ids=ids, loss_mask=mask,
             logprobs=lp[s, :n].astype(np.float32), num_searches=rec.searches, queries=rec.queries,
-            text=tokenizer.decode(ids.tolist(), skip_special_tokens=True), end_reason=reason,
+            text=response_text(tokenizer, ids), end_reason=reason,
             seconds=now - rec.admitted)
         if t.num_searches:
             stats.searched_tokens += int(mask.sum())
