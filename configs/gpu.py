@@ -1,28 +1,37 @@
-"""One NVIDIA GPU through jax[cuda]: Qwen2.5-1.5B-Instruct (fits an 80 GB card with f32
-master weights, AdamW state and bf16 activations). Set the paths before running:
+"""One NVIDIA GPU through jax[cuda]: Qwen2.5-1.5B-Instruct (default) or Qwen3-1.7B
+(`configs/gpu.py:qwen3-1.7b`), each fitting an 80 GB card with f32 master weights, AdamW state and
+bf16 activations. Set the paths before running:
 
     python -m sem_jax.train --config configs/gpu.py \
         --config.model.path=/models/Qwen2.5-1.5B-Instruct --config.retrieval.index_dir=/data/index
+    python -m sem_jax.train --config configs/gpu.py:qwen3-1.7b --config.model.path=/models/Qwen3-1.7B
 """
 
 from sem_jax.config import base_config, paper_recipe
 
 
-def get_config():
+# model -> (local HF directory: no hub downloads, micro-batch). Micro-batches from
+# `python -m sem_jax.aot --config configs/gpu.py[:MODEL] --hbm_gib 80` (compiled for the CPU backend, so
+# an estimate) for 1024 sampled + 1504 inserted response tokens, remat dots:
+# - qwen2.5-1.5b: update peak 73.3 GiB at micro-batch 2, 116.0 at 4, 52.3 at 1;
+# - qwen3-1.7b: QWEN3_GPU_FIT.
+MODELS = {"qwen2.5-1.5b": ("/models/Qwen2.5-1.5B-Instruct", 2),
+          "qwen3-1.7b": ("/models/Qwen3-1.7B", 2)}
+
+
+def get_config(model: str = "qwen2.5-1.5b"):
+    if model not in MODELS:
+        raise ValueError(f"configs/gpu.py:{model}: choose one of {sorted(MODELS)}")
     c = paper_recipe(base_config())
-    c.run_dir = "runs/gpu"
-    c.model.path = "/models/Qwen2.5-1.5B-Instruct"  # local HF directory (no hub downloads)
-    c.model.preset = "qwen2.5-1.5b"
+    c.run_dir = "runs/gpu" if model == "qwen2.5-1.5b" else f"runs/gpu-{model}"
+    c.model.path, c.rl.micro_batch = MODELS[model]
+    c.model.preset = model
     c.model.remat = "dots"
     c.mesh.update(data=1, fsdp=-1, tensor=1)
     c.data.train_file = "/data/sem_train.jsonl"  # written by scripts/prepare_data.py
     c.data.eval_file = "/data/sem_eval.jsonl"
     c.data.prompts_per_step = 16
     c.retrieval.index_dir = "/data/index"  # scripts/build_index.py
-    # Estimate with `python -m sem_jax.aot --config configs/gpu.py --hbm_gib 80` (compiled for the CPU
-    # backend, so an estimate) for 1024 sampled + 1504 inserted response tokens: update peak 73.3 GiB
-    # at micro-batch 2 with remat dots, 116.0 at 4, 52.3 at 1.
-    c.rl.micro_batch = 2
     c.train.total_steps = 500
     c.train.eval_every = 50
     c.train.ckpt_every = 50

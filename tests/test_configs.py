@@ -33,6 +33,14 @@ def test_configs():
     assert "Qwen2.5-1.5B-Instruct" in gpu.model.path and gpu.model.compute_dtype == "bfloat16"
     assert gpu.rollout.group_size == 5 and gpu.retrieval.top_k == 5 and gpu.optim.lr == 1e-6
     assert "7B" in _load("tpu_v4").model.path and "14B" in _load("tpu_v4", "14b").model.path
+    for name in ("qwen3-8b", "qwen3-14b"):
+        c = _load("tpu_v4", name)
+        assert c.model.preset == name and c.model.path.endswith("Qwen3-" + name.split("-")[1].upper())
+        assert settings(c).reward is sem_reward
+    qwen3 = _load("gpu", "qwen3-1.7b")
+    assert qwen3.model.preset == "qwen3-1.7b" and qwen3.model.path.endswith("Qwen3-1.7B") and qwen3.run_dir != gpu.run_dir
+    with pytest.raises(ValueError, match="choose one of"):
+        _load("gpu", "qwen3-32b")
     with pytest.raises(ValueError, match="choose one of"):
         _load("tpu_v4", "70b")
     real = _load("real_cpu")  # the real-checkpoint check: paper recipe at a CPU's sizes, no reference copy
@@ -41,6 +49,28 @@ def test_configs():
     # Placeholders accept a value of their type.
     demo.rl.clip_eps_high = 0.28
     demo.train.debug_kill_at_step = 2
+
+
+# Qwen3 model cards: parameters in all and without the embeddings (billions, as rounded there).
+QWEN3_CARDS = {"qwen3-0.6b": ("0.6", "0.44"), "qwen3-1.7b": ("1.7", "1.4"), "qwen3-4b": ("4.0", "3.6"),
+               "qwen3-8b": ("8.2", "6.95"), "qwen3-14b": ("14.8", "13.2")}
+
+
+@pytest.mark.parametrize("name", sorted(QWEN3_CARDS))
+def test_qwen3_presets_have_their_model_cards_parameter_counts(name):
+    import numpy as np
+
+    from sem_jax.model import param_shapes
+    from sem_jax.model.presets import preset
+
+    cfg = preset(name)
+    total = sum(int(np.prod(shape)) for shape, _ in param_shapes(cfg).values())
+    embeddings = cfg.vocab_size * cfg.hidden_size * (1 if cfg.tie_word_embeddings else 2)
+    # Equal to the card's figure where it rounds: within half a unit of its last digit.
+    rounds_to = lambda x, card: abs(x / 1e9 - float(card)) <= 0.5 * 10.0 ** -len(card.split(".")[1])
+    total_card, body_card = QWEN3_CARDS[name]
+    assert rounds_to(total, total_card) and rounds_to(total - embeddings, body_card), (total, embeddings)
+    assert cfg.model_type == "qwen3" and cfg.qk_norm and not cfg.attention_bias and cfg.head_dim == 128
 
 
 def test_default_configs_are_the_cpu_ones():
