@@ -61,7 +61,7 @@ class ModelInit:
 
 @dataclasses.dataclass(frozen=True)
 class Model:
-    path: str | None = None          # local HF Qwen2 directory; None: random init (`init`)
+    path: str | None = None          # local HF Qwen2 or Qwen3 directory; None: random init (`init`)
     tokenizer: str | None = None     # tokenizer directory (default: path)
     preset: str | None = None        # architecture name (sem_jax.model.presets) for compile-only checks
     dtype: str = "float32"           # parameter dtype

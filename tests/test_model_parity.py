@@ -182,3 +182,27 @@ def test_qwen3_greedy_sampler_equals_hf_generate(tmp_path, per_layer):
             out = ref.generate(torch.tensor([p]), max_new_tokens=new, min_new_tokens=new, do_sample=False,
                                pad_token_id=0)
         assert resp[i].tolist() == out[0, len(p):].tolist(), i
+
+
+def test_qwen3_errors_name_file_and_tensor(tmp_path):
+    """A Qwen3 without a head norm, with attention biases, or a Qwen3 MoE: refused by name."""
+    from safetensors.numpy import load_file, save_file
+
+    write_hf_qwen3(tmp_path / "ok")
+    cfg = json.loads((tmp_path / "ok" / "config.json").read_text())
+    assert cfg["architectures"] == ["Qwen3ForCausalLM"]
+    tensors = load_file(str(tmp_path / "ok" / "model.safetensors"))
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "config.json").write_text(json.dumps(cfg))
+    save_file({k: v for k, v in tensors.items() if k != "model.layers.2.self_attn.k_norm.weight"},
+              str(bad / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(KeyError, match=r"model\.layers\.2\.self_attn\.k_norm\.weight"):
+        from_pretrained(str(bad))
+    for change, message in ((dict(attention_bias=True), "attention_bias=true is not supported for Qwen3"),
+                            (dict(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe"),
+                             "unsupported architecture.*Qwen3Moe"),
+                            (dict(model_type="qwen2"), r"unsupported architecture \['Qwen3ForCausalLM'\]")):
+        (bad / "config.json").write_text(json.dumps(dict(cfg, **change)))
+        with pytest.raises(ValueError, match=r"bad/config\.json: " + message):
+            from_pretrained(str(bad))
