@@ -31,6 +31,9 @@ test: $(VENV)/.installed-test
 # into REAL_MODEL (outside the repository), then the tests marked `real` on it, in two processes:
 # what the in-process checks leave allocated, the CLI runs (16-20 GB) cannot spare.
 REAL_MODEL ?= $(HOME)/.cache/sem_jax/qwen2.5-coder-0.5b-instruct
+REAL_DATA ?= $(HOME)/.cache/sem_jax/data
+# GSM8K's test split, beside the checkout (../shared/data), or this workplace's shared copy.
+GSM8K ?= $(firstword $(wildcard ../shared/data/gsm8k/test.jsonl /work/shared/data/gsm8k/test.jsonl) ../shared/data/gsm8k/test.jsonl)
 
 $(VENV)/.installed-real: setup.py | $(PY)
 	$(PY) -m pip install -q -e '.[test,demo,real]'
@@ -43,6 +46,9 @@ test-real: $(VENV)/.installed-real
 		$(PY) -m pytest -q -m real --durations=10 tests/test_real_model.py
 	SEM_JAX_REAL_MODEL=$(REAL_MODEL) SEM_JAX_REAL_REPORT=runs/real_runs.json \
 		$(PY) -m pytest -q -m real --durations=10 tests/test_real_runs.py
+	$(PY) scripts/fetch_real_data.py --out $(REAL_DATA) --gsm8k $(GSM8K)
+	SEM_JAX_REAL_MODEL=$(REAL_MODEL) SEM_JAX_REAL_DATA=$(REAL_DATA) SEM_JAX_REAL_REPORT=runs/real_experiment.json \
+		$(PY) -m pytest -q -m real --durations=10 tests/test_real_experiment.py
 
 # The main job on the embedded CPU default (configs/demo_cpu.py): a synthetic world, a warm
 # start, GRPO with the SEM reward, evaluation before and after; then the table and the curves.

@@ -249,6 +249,23 @@ class WarmStart:
 
 
 @dataclasses.dataclass(frozen=True)
+class Experiment:
+    """`python -m sem_jax.experiment` (sem_jax/experiment/): real MMLU and GSM8K, invented multi-hop
+    questions, a format warm start, SEM and ReSearch runs, the evaluation of all four policies."""
+    data_dir: str = "~/.cache/sem_jax/data"          # written by scripts/fetch_real_data.py
+    mmlu_train: int = setting(400, **POSITIVE)       # known questions for the warm start and GRPO ...
+    mmlu_eval: int = setting(200, **POSITIVE)        # ... and held out, disjoint, both stratified by subject
+    gsm8k_eval: int = setting(200, **POSITIVE)       # out of domain: evaluation only
+    people: int = setting(600, **POSITIVE)           # the multi-hop world's people ...
+    eval_people: int = setting(100, **POSITIVE)      # ... of whom only the evaluation asks about these
+    organisations: int = setting(120, **POSITIVE)
+    cities: int = setting(60, **POSITIVE)
+    countries: int = setting(20, **POSITIVE)
+    multihop_eval: int = setting(200, **POSITIVE)    # multi-hop questions evaluated (stratified by hops)
+    modes: str = "policy,direct,naive_rag"           # evaluation modes of every policy
+
+
+@dataclasses.dataclass(frozen=True)
 class Config:
     seed: int = 0
     run_dir: str = "runs/demo"      # checkpoints, TensorBoard events, metrics.jsonl, config.json
@@ -273,6 +290,8 @@ class Config:
     # The demo's own sections (configs/demo_cpu.py); None in every other config.
     world: World | None = None
     warm_start: WarmStart | None = None
+    # The experiment's section (configs/real_experiment.py); None in every other config.
+    experiment: Experiment | None = None
 
     def replace(self, **dotted: Any) -> "Config":
         """A copy with fields changed by dotted name (`replace(**{"model.path": d})`), checked as
@@ -289,7 +308,7 @@ class Config:
         return json.dumps(to_dict(self), indent=2)
 
 
-OPTIONAL_SECTIONS = ("world", "warm_start")
+OPTIONAL_SECTIONS = ("world", "warm_start", "experiment")
 
 
 # -- ConfigDict <-> Config -------------------------------------------------------------------

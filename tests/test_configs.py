@@ -41,6 +41,11 @@ def test_configs():
     assert qwen3.model.preset == "qwen3-1.7b" and qwen3.model.path.endswith("Qwen3-1.7B") and qwen3.run_dir != gpu.run_dir
     with pytest.raises(ValueError, match="choose one of"):
         _load("gpu", "qwen3-32b")
+    for variant in ("gpu", "smoke"):  # the experiment: its own section, which its stages strip
+        exp = load(_load("real_experiment", variant))
+        assert exp.experiment is not None and exp.sft.decision == "random" and exp.model.path.endswith("instruct")
+        assert settings(exp.replace(experiment=None)).reward is sem_reward
+    assert load(_load("real_experiment", "smoke")).train.total_steps == 1 < load(_load("real_experiment")).train.total_steps
     with pytest.raises(ValueError, match="choose one of"):
         _load("tpu_v4", "70b")
     real = _load("real_cpu")  # the real-checkpoint check: paper recipe at a CPU's sizes, no reference copy

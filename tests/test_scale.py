@@ -419,3 +419,39 @@ def test_roofline_rollout_at_a_measured_occupancy():
         update = 4 * max(8e13 / chip.flops, 1e10 / chip.hbm)
         assert out["chips"][name]["rollout_s"] == pytest.approx(prefill + 80 * decode)
         assert out["chips"][name]["step_s"] == pytest.approx(prefill + 80 * decode + update)
+
+
+def test_a_call_too_big_unrolled_whole_is_counted_from_two_unrolls():
+    """Where the compiler refuses a sampler call unrolled whole for lack of HBM, its cost is the
+    base compile plus (layers - 1) times what one more unrolled layer adds (a hand count on fakes);
+    any other compile error is not swallowed."""
+    import jax
+
+    from sem_jax.roofline import whole_or_counted
+
+    class Compiled:
+        def __init__(self, unroll):
+            self.unroll = unroll
+
+        def cost_analysis(self):
+            return {"flops": 10.0 + 4.0 * self.unroll, "bytes accessed": 100.0 + 7.0 * self.unroll}
+
+        def as_text(self):
+            return ""
+
+    def lowered(fail_at, message):
+        class Lowered:
+            def __init__(self, unroll):
+                self.unroll = unroll
+
+            def compile(self):
+                if self.unroll == fail_at:
+                    raise jax.errors.JaxRuntimeError(message)
+                return Compiled(self.unroll)
+        return Lowered
+
+    assert whole_or_counted(lowered(None, ""), 6) == {"flops": 34.0, "bytes": 142.0, "ici": 0.0}
+    counted = whole_or_counted(lowered(6, "RESOURCE_EXHAUSTED: Ran out of memory on HBM"), 6)
+    assert counted == {"flops": 14.0 + 5 * 4.0, "bytes": 107.0 + 5 * 7.0, "ici": 0.0}
+    with pytest.raises(jax.errors.JaxRuntimeError, match="INTERNAL"):
+        whole_or_counted(lowered(6, "INTERNAL: something else"), 6)

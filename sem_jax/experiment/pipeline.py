@@ -1,0 +1,168 @@
+"""SEM's effect on a real checkpoint, one stage after another, each resumable:
+
+1. data: real MMLU and GSM8K (scripts/fetch_real_data.py), the invented multi-hop world, written
+   into OUT/data;
+2. warm: the format warm start (`sem_jax.sft` with `sft.decision = "random"`: a share of traces
+   search whatever the question), from `model.path` into OUT/warm;
+3. sem: GRPO with the SEM protocol from the warm start (OUT/sem);
+4. research: GRPO with the ReSearch protocol from the base model, as ReSearch trains (its system
+   prompt, with its inline example, teaches its format; it has no supervised start) (OUT/research);
+5. eval: the base model (SEM's prompt with its worked example, its only way to the format), the
+   warm start, and both trained policies (each under its own protocol), in every mode of
+   `experiment.modes`, on MMLU, the multi-hop world and GSM8K (OUT/eval/<policy>);
+6. report: OUT/report.md, report.json and curves.png.
+
+A stage that finished is not run again; a training stage killed midway resumes from its last
+checkpoint (`train.ckpt_every`), an evaluation from its first unfinished policy.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+from sem_jax.assemble import build
+from sem_jax.data.questions import load_questions
+from sem_jax.evaluate import evaluate_modes, parse_modes
+from sem_jax.experiment.data import EVAL_SETS, prepare_data
+from sem_jax.experiment.report import write_report
+from sem_jax.settings import Config
+from sem_jax.sft import finetune
+from sem_jax.train import train
+
+POLICIES = ("base", "warm", "sem", "research")
+DONE = "finished.json"  # a training or evaluation stage's last file
+
+
+def _stage(name: str, t0: float) -> None:
+    print(f"\n=== experiment: {name} ({time.perf_counter() - t0:.0f}s in) ===", flush=True)
+
+
+def _mark(directory: str, content: dict) -> None:
+    with open(os.path.join(directory, DONE), "w") as fh:
+        json.dump(content, fh, indent=1)
+
+
+def _finished(directory: str) -> bool:
+    return os.path.exists(os.path.join(directory, DONE))
+
+
+def stage_configs(config: Config, out: str, files: dict[str, str]) -> dict[str, Config]:
+    """The config of each training and evaluation stage: the experiment's, without its own section,
+    on the experiment's data, each with its start, protocol and run directory."""
+    base = config.model.path
+    common = config.replace(**{"experiment": None, "data.train_file": files["train"], "data.eval_file": files["eval"],
+                               "retrieval.corpus": files["corpus"], "retrieval.index_dir": None})
+    warm = os.path.join(out, "warm")
+    return {
+        "warm": common.replace(**{"sft.decision": "random", "protocol": "sem", "prompt_example": False,
+                                  "run_dir": os.path.join(out, "warm.run")}),
+        "sem": common.replace(**{"model.path": warm, "protocol": "sem", "prompt_example": False,
+                                 "run_dir": os.path.join(out, "sem")}),
+        "research": common.replace(**{"model.path": base, "protocol": "research", "run_dir": os.path.join(out, "research")}),
+        "eval/base": common.replace(**{"protocol": "sem", "prompt_example": True}),
+        "eval/warm": common.replace(**{"model.path": warm, "protocol": "sem", "prompt_example": False}),
+    }
+
+
+def _evaluate(config: Config, out: str, files: dict[str, str], modes: list[str], *, hf: str | None = None,
+              checkpoint: str | None = None) -> None:
+    os.makedirs(out, exist_ok=True)
+    run = build(config, "evaluate", checkpoint=checkpoint, hf=hf)
+    data = {name: run.cap(load_questions(files[name]), name) for name in EVAL_SETS}
+    s = run.settings
+    evaluate_modes(run.greedy, run.tokenizer, run.retriever, data, modes, s.rollout, batch_size=run.eval_batch,
+                   out_dir=out, system_prompt=s.system_prompt, protocol=s.protocol, mesh=run.mesh)
+    _mark(out, {"protocol": config.protocol, "source": hf or checkpoint, "modes": modes,
+                "questions": {name: len(examples) for name, examples in data.items()}})
+
+
+STAGES = ("warm", "sem", "research", *(f"eval/{p}" for p in POLICIES))
+
+
+def stage_done(out: str, name: str) -> bool:
+    if name == "warm":  # the warm start's HF directory is written whole or not at all
+        return os.path.exists(os.path.join(out, "warm", "config.json"))
+    return _finished(os.path.join(out, name))
+
+
+def run_stage(config: Config, out: str, name: str) -> None:
+    """One stage of `STAGES` in this process (the data are prepared)."""
+    files = prepare_data(config.experiment, config.seed, os.path.join(out, "data"))
+    cfgs = stage_configs(config, out, files)
+    if name == "warm":
+        finetune(cfgs["warm"], os.path.join(out, "warm"))
+    elif name in ("sem", "research"):
+        metrics = train(cfgs[name])
+        _mark(cfgs[name].run_dir, {"last_step_metrics": metrics})
+    elif name.startswith("eval/"):
+        policy = name.split("/", 1)[1]
+        cfg, source = {"base": (cfgs["eval/base"], dict(hf=config.model.path)),
+                       "warm": (cfgs["eval/warm"], dict(hf=os.path.join(out, "warm"))),
+                       "sem": (cfgs["sem"], dict(checkpoint=os.path.join(cfgs["sem"].run_dir, "ckpt"))),
+                       "research": (cfgs["research"], dict(checkpoint=os.path.join(cfgs["research"].run_dir, "ckpt")))
+                       }[policy]
+        _evaluate(cfg, os.path.join(out, name), files, parse_modes(config.experiment.modes), **source)
+    else:
+        raise ValueError(f"stage {name!r}; choose one of {STAGES}")
+
+
+def _flat(tree: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in tree.items():
+        out.update(_flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+    return out
+
+
+def saved_config(config: Config, out: str) -> None:
+    """OUT/experiment.json: the config every stage's process reads. A resumed run must bring the
+    same one (its stages' outputs were made with it)."""
+    path = os.path.join(out, "experiment.json")
+    if not os.path.exists(path):
+        with open(path, "w") as fh:
+            fh.write(config.to_json())
+        return
+    with open(path) as fh:
+        before = _flat(json.load(fh))
+    now = _flat(json.loads(config.to_json()))
+    changed = sorted(k for k in set(before) | set(now) if before.get(k) != now.get(k))
+    if changed:
+        raise ValueError(f"{out} holds an experiment run with another config (changed: {', '.join(changed[:6])}); "
+                         "resume it with the same config, or choose another --out")
+
+
+def run_experiment(config: Config, out: str) -> dict:
+    """Every stage into `out` (resuming what a killed run left), each training and evaluation stage
+    in a process of its own (all of its memory returned when it ends); returns report.json's content."""
+    exp = config.experiment
+    if exp is None:
+        raise ValueError("sem_jax.experiment needs a config with an `experiment` section (configs/real_experiment.py)")
+    if not config.model.path:
+        raise ValueError("sem_jax.experiment trains a pretrained checkpoint: set model.path to its HF directory")
+    parse_modes(exp.modes)  # refused now, not after the training
+    out = os.path.abspath(out)
+    os.makedirs(out, exist_ok=True)
+    saved_config(config, out)
+    t0 = time.perf_counter()
+    _stage("data", t0)
+    prepare_data(exp, config.seed, os.path.join(out, "data"))
+    with open(os.path.join(out, "data", "summary.json")) as fh:
+        print(fh.read(), flush=True)
+    for name in STAGES:
+        _stage(name, t0)
+        if stage_done(out, name):
+            print(f"{os.path.join(out, name)}: finished before, reused", flush=True)
+            continue
+        proc = subprocess.run([sys.executable, "-m", "sem_jax.experiment.stage", out, name])
+        if proc.returncode != 0:
+            raise RuntimeError(f"experiment stage {name} failed (exit {proc.returncode}); its output is above. "
+                               f"Run the same command again to resume from there")
+    _stage("report", t0)
+    cfgs = stage_configs(config, out, prepare_data(exp, config.seed, os.path.join(out, "data")))
+    runs = {"SEM": cfgs["sem"].run_dir, "ReSearch": cfgs["research"].run_dir}
+    note = (f"{os.path.basename(config.model.path.rstrip('/'))}: {config.train.total_steps} GRPO steps of "
+            f"{config.data.prompts_per_step} prompts x {config.rollout.group_size}, seed {config.seed}")
+    return write_report(out, list(POLICIES), runs, list(EVAL_SETS), note)
