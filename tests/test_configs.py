@@ -44,7 +44,7 @@ def test_configs():
     for variant in ("gpu", "smoke"):  # the experiment: its own section, which its stages strip
         exp = load(_load("real_experiment", variant))
         assert exp.experiment is not None and exp.sft.decision == "random" and exp.model.path.endswith("instruct")
-        assert settings(exp.replace(experiment=None)).reward is sem_reward
+        assert runtime(exp.replace(experiment=None)).reward is sem_reward
     assert load(_load("real_experiment", "smoke")).train.total_steps == 1 < load(_load("real_experiment")).train.total_steps
     with pytest.raises(ValueError, match="choose one of"):
         _load("tpu_v4", "70b")
