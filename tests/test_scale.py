@@ -278,7 +278,7 @@ from sem_jax.sharding import make_mesh, tensor_groups
 set_analysis_flags()  # CMEM staging off: the bytes counted are HBM bytes
 devices = target_devices("v4:2x2x1")
 cfg = Qwen2Config(vocab_size=512, hidden_size=256, intermediate_size=2048, num_layers=2, num_heads=4,
-                  num_kv_heads=2, head_dim=128, rope_theta=1e6, model_type=MODEL_TYPE)
+                  num_kv_heads=2, head_dim=128, rope_theta=1e6)
 config = load(base_config()).replace(**{"model.compute_dtype": "bfloat16", "model.remat": "none"})
 out = {}
 for spread in (False, True):
