@@ -130,3 +130,20 @@ def test_goal_checks_by_hand():
     results["sem"]["policy"]["multihop"]["em"] = 0.1  # as the warm start: no rise
     assert goal_checks(results)["EM on unknown rises"]["met"] is False
     assert goal_checks({"warm": results["warm"]})["SR on unknown stays >= 80%"]["met"] is None  # not run
+
+
+def test_a_resumed_experiment_must_bring_its_config(tmp_path):
+    """OUT/experiment.json pins the config its stages ran with: the same one resumes, another is
+    refused naming what changed."""
+    from sem_jax.experiment.pipeline import saved_config
+    from sem_jax.settings import load
+
+    sys.path.insert(0, os.path.join(REPO, "configs"))
+    import real_experiment
+
+    config = load(real_experiment.get_config("smoke"))
+    saved_config(config, str(tmp_path))
+    saved_config(config, str(tmp_path))  # the same: resumes
+    other = config.replace(**{"experiment.mmlu_eval": 5, "train.total_steps": 3})
+    with pytest.raises(ValueError, match=r"another config \(changed: experiment\.mmlu_eval, train\.total_steps\)"):
+        saved_config(other, str(tmp_path))

@@ -148,7 +148,7 @@ def run_experiment(config: Config, out: str) -> dict:
     saved_config(config, out)
     t0 = time.perf_counter()
     _stage("data", t0)
-    prepare_data(exp, config.seed, os.path.join(out, "data"))
+    files = prepare_data(exp, config.seed, os.path.join(out, "data"))
     with open(os.path.join(out, "data", "summary.json")) as fh:
         print(fh.read(), flush=True)
     for name in STAGES:
@@ -161,7 +161,7 @@ def run_experiment(config: Config, out: str) -> dict:
             raise RuntimeError(f"experiment stage {name} failed (exit {proc.returncode}); its output is above. "
                                f"Run the same command again to resume from there")
     _stage("report", t0)
-    cfgs = stage_configs(config, out, prepare_data(exp, config.seed, os.path.join(out, "data")))
+    cfgs = stage_configs(config, out, files)
     runs = {"SEM": cfgs["sem"].run_dir, "ReSearch": cfgs["research"].run_dir}
     note = (f"{os.path.basename(config.model.path.rstrip('/'))}: {config.train.total_steps} GRPO steps of "
             f"{config.data.prompts_per_step} prompts x {config.rollout.group_size}, seed {config.seed}")
