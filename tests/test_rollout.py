@@ -287,15 +287,17 @@ def test_budget_counts_inserted_tokens(qwen25_tokenizer, retriever):
     assert t.loss_mask.tolist() == [1] * len(t1) + [0] * 5
 
 
-def test_research_protocol_rollout_inserts_researchs_blocks_and_scores_the_boxed_answer(qwen_tokenizer, retriever):
+@pytest.mark.parametrize("tokenizer", ["qwen25_tokenizer", "qwen3_special_tags_tokenizer"])
+def test_research_protocol_rollout_inserts_researchs_blocks_and_scores_the_boxed_answer(tokenizer, request, retriever):
     """The whole loop under protocol=research: its prompt, its ` <result>` blocks, its parser and
-    reward on what was sampled."""
+    reward on what was sampled; also where `<think>` is one special token (skip_special_tokens
+    would drop it from the text the parser reads)."""
     from sem_jax.data.example import Example
     from sem_jax.policy_eval import score_trajectory
     from sem_jax.protocol import RESEARCH
     from sem_jax.rewards.rules import RewardParams, get_reward
 
-    tok = qwen_tokenizer
+    tok = request.getfixturevalue(tokenizer)
     enc = lambda s: tok.encode(s, add_special_tokens=False)
     ex = Example("q", "What is the capital of France?", ("Paris",), "musique", True)
     prompt = RESEARCH.encode_prompt(tok, ex)
