@@ -134,8 +134,9 @@ def test_two_processes_train_as_one(warm_model, tmp_path):
     rows are admitted as slots free up, at boundaries the processes agree on, and a row's draws
     do not depend on the slot or process it runs in."""
     one, two = tmp_path / "one", tmp_path / "two"
+    # No evaluation before training: the two-process evaluation has its own test below.
     steps = ("--config.train.total_steps=2", "--config.train.debug_hosts=True", "--config.rollout.slots=4",
-             "--config.rollout.chunk_steps=5")
+             "--config.rollout.chunk_steps=5", "--config.train.eval_at_start=False")
     _two_processes(lambda *flags: _cmd(two, warm_model, *steps, *flags))
     single = subprocess.run(_cmd(one, warm_model, *steps), capture_output=True, text=True, timeout=600, cwd=REPO,
                             env=cpu_env(4))
