@@ -171,7 +171,7 @@ def whole_or_counted(lower, layers: int) -> dict[str, float]:
             raise
         print(f"roofline: unrolled whole it does not fit ({str(e).splitlines()[0][:160]}); counted from the "
               "layer scan unrolled by 1 and by 2 instead (bytes an upper bound)", flush=True)
-        return counted(lambda layers: lower(layers), {"layers": layers})
+        return counted(lower, {"layers": layers})
 
 
 @partial(jax.jit, static_argnums=0, static_argnames=("cfg", "window", "steps"), donate_argnums=2)

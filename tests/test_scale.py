@@ -440,9 +440,9 @@ def test_a_call_too_big_unrolled_whole_is_counted_from_two_unrolls():
             return ""
 
     def lowered(fail_at, message):
-        class Lowered:
-            def __init__(self, unroll):
-                self.unroll = unroll
+        class Lowered:  # lowered with `layers` layers per iteration of the scan
+            def __init__(self, layers):
+                self.unroll = layers
 
             def compile(self):
                 if self.unroll == fail_at:

@@ -26,6 +26,15 @@ def example_from_row(row: dict, where: str) -> Example:
                    category=str(row.get("category") or ""))
 
 
+def question_row(e: Example) -> dict:
+    """`e` as a row of this schema: what `example_from_row` reads back as `e`."""
+    row = {"id": e.id, "question": e.question, "answers": list(e.answers), "source": e.source,
+           "needs_search": e.needs_search, "kind": e.kind, "category": e.category}
+    if e.options:
+        row["options"] = list(e.options)
+    return row
+
+
 FLAGS = {"true": True, "1": True, "false": False, "0": False}
 
 

@@ -30,6 +30,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from sem_jax.data.example import Example
+from sem_jax.data.questions import question_row
 from sem_jax.protocol import SEM
 from sem_jax.protocol.sem import direct_trace, result_text, search_call
 from sem_jax.settings import Config
@@ -75,7 +76,8 @@ class World:
         """corpus.jsonl, train.jsonl, eval.jsonl in `directory`; returns their paths."""
         os.makedirs(directory, exist_ok=True)
         paths = world_files(directory)
-        rows = {"corpus": self.corpus, "train": [_row(e) for e in self.train], "eval": [_row(e) for e in self.eval]}
+        rows = {"corpus": self.corpus, "train": [question_row(e) for e in self.train],
+                "eval": [question_row(e) for e in self.eval]}
         for name, path in paths.items():
             tmp = f"{path}.tmp{os.getpid()}"  # several processes may write the same (identical) world
             with open(tmp, "w") as fh:
@@ -93,11 +95,6 @@ def use_world_files(config: Config, paths: dict[str, str]) -> Config:
     """`config` with its data and retrieval pointed at a written world."""
     return config.replace(**{"data.train_file": paths["train"], "data.eval_file": paths["eval"],
                              "retrieval.corpus": paths["corpus"], "retrieval.index_dir": None})
-
-
-def _row(e: Example) -> dict:
-    return {"id": e.id, "question": e.question, "answers": list(e.answers), "source": e.source,
-            "needs_search": e.needs_search, "kind": e.kind}
 
 
 def _names(rng: np.random.RandomState, n: int, syllables: tuple[int, int], taken: set[str]) -> list[str]:

@@ -11,8 +11,8 @@ from __future__ import annotations
 import json
 import os
 
-from sem_jax.data.example import Example
 from sem_jax.data.mix import sem_mix, stratified_sample
+from sem_jax.data.questions import question_row
 from sem_jax.data.sources import load_source
 from sem_jax.experiment.world import build_multihop_world
 from sem_jax.settings import Experiment
@@ -21,14 +21,6 @@ FETCH = "python scripts/fetch_real_data.py --out {dir}"
 # Data set name -> file under OUT/data: what the evaluation reads, beside train.jsonl and eval.jsonl.
 EVAL_SETS = ("mmlu", "multihop", "gsm8k")
 SUMMARY = "summary.json"  # written last: its presence means OUT/data is complete
-
-
-def row(e: Example) -> dict:
-    out = {"id": e.id, "question": e.question, "answers": list(e.answers), "source": e.source,
-           "needs_search": e.needs_search, "kind": e.kind, "category": e.category}
-    if e.options:
-        out["options"] = list(e.options)
-    return out
 
 
 def write_jsonl(path: str, rows: list[dict]) -> None:
@@ -68,14 +60,15 @@ def prepare_data(exp: Experiment, seed: int, out: str) -> dict[str, str]:
     train = sem_mix(hop_train, mmlu_train, seed=seed)
     sets = {"mmlu": mmlu_eval, "multihop": hop_eval, "gsm8k": stratified_sample(gsm8k, exp.gsm8k_eval, seed)}
     for name, examples in sets.items():
-        write_jsonl(files[name], [row(e) for e in examples])
-    write_jsonl(files["train"], [row(e) for e in train])
-    write_jsonl(files["eval"], [row(e) for e in mmlu_eval + hop_eval])
-    write_jsonl(files["corpus"], world.passages())
+        write_jsonl(files[name], [question_row(e) for e in examples])
+    write_jsonl(files["train"], [question_row(e) for e in train])
+    write_jsonl(files["eval"], [question_row(e) for e in mmlu_eval + hop_eval])
+    passages = world.passages()
+    write_jsonl(files["corpus"], passages)
     summary = {"train": {"known (mmlu)": sum(not e.needs_search for e in train),
                          "unknown (multihop)": sum(e.needs_search for e in train)},
                "eval": {name: len(examples) for name, examples in sets.items()},
-               "corpus passages": len(world.passages()), "seed": seed, "data_dir": exp.data_dir}
+               "corpus passages": len(passages), "seed": seed, "data_dir": exp.data_dir}
     with open(os.path.join(out, SUMMARY), "w") as fh:
         json.dump(summary, fh, indent=1)
     return files
