@@ -380,7 +380,8 @@ def test_continuous_engine_samples_what_lockstep_samples(qwen25_tokenizer, retri
     base = dict(group_size=g, **ENGINE_BASE)
     runs = {}
     settings = [("lockstep", dict(lockstep=True), retriever),
-                ("4 slots", dict(slots=4, chunk_steps=3), SlowRetriever(retriever, 0.05))]
+                ("4 slots", dict(slots=4, chunk_steps=3), retriever),
+                ("4 slots, narrowed", dict(slots=4, chunk_steps=3, narrow=True), SlowRetriever(retriever, 0.05))]
     if not greedy:  # (each setting compiles its own shapes: the greedy case checks the two that matter most)
         settings += [("5 slots", dict(slots=5, chunk_steps=7), retriever)]
     for name, extra, r in settings:
@@ -400,8 +401,10 @@ def test_continuous_engine_samples_what_lockstep_samples(qwen25_tokenizer, retri
             np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-4, err_msg=name)
         # Every active slot-step samples one token: the sampled tokens are the active slot-steps.
         assert stats.active_slot_steps == sum(int(t.loss_mask.sum()) for t in got), name
-    four = runs["4 slots"][1]
-    assert four.slot_steps == four.decode_steps * 4 and four.admissions == 9 - 4
+    four, narrowed = runs["4 slots"][1], runs["4 slots, narrowed"][1]
+    assert four.slot_steps == four.decode_steps * 4 and four.narrowed == 0 and four.admissions == 9 - 4
+    # The tail decodes 2 then 1 slot wide (rows move between slots while their search is pending).
+    assert narrowed.narrowed >= 1 and narrowed.slot_steps < narrowed.decode_steps * 4
     assert four.prefills > len(prompts)  # groups of 3 split over 4 slots: a prompt prefilled again
     if not greedy:  # the draws differ between rows of one group
         assert len({tuple(t.response_ids.tolist()) for t in want[:g]}) > 1
@@ -452,3 +455,14 @@ def test_lockstep_admits_a_new_batch_only_when_every_slot_is_free(qwen25_tokeniz
     assert ls.decode_steps == sum(max(lengths[i], lengths[i + 1]) for i in range(0, 8, 2))  # 12 + 11 + 10 + 9
     assert ls.active_slot_steps == cs.active_slot_steps == sum(lengths)
     assert cs.decode_steps < ls.decode_steps and cs.occupancy > ls.occupancy
+    # Every row in a slot (no queue): the engine halves its batch as rows end. Each call decodes
+    # one step; before step t the rows longer than t hold slots, and the width halves while they
+    # fit in half of it: 8 wide for steps 0-4, 4 for 5-9, 2 for 10, 1 for 11 (63, not 12 x 8).
+    _, whole = rollout(sampler, tok, retriever, prompts, jax.random.key(0),
+                       RolloutConfig(**{**cfg, "slots": 0}, chunk_steps=1, narrow=True), script=script)
+    width, want = 8, 0
+    for t in range(max(lengths)):
+        while sum(n > t for n in lengths) <= width // 2:
+            width //= 2
+        want += width
+    assert whole.slot_steps == want == 63 and whole.active_slot_steps == sum(lengths) and whole.narrowed == 3

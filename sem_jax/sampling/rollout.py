@@ -46,6 +46,7 @@ class RolloutConfig:
     slots: int = 0                 # decode slots per process; 0: every row of the step
     chunk_steps: int = 8           # decode steps between host boundaries at most (not with lockstep)
     lockstep: bool = False         # barriers at pauses and admissions (see the module docstring)
+    narrow: bool = False           # continuous, queue empty: halve the decode batch while half its slots are free
     retrieval_threads: int = 4     # host threads that run retriever calls beside decoding
 
 
@@ -78,6 +79,7 @@ class RolloutStats:
     prefills: int = 0              # prompt prefills (a group split over boundaries costs more than one)
     inserts: int = 0               # result blocks and notes appended
     refills: int = 0               # refill calls
+    narrowed: int = 0              # times the decode batch was halved (or more) at the step's tail
     retriever_calls: int = 0
     cut_blocks: int = 0            # result blocks whose passages were cut shorter to fit max_block_tokens
     searched_tokens: int = 0       # sampled tokens of rows that searched ...
@@ -168,23 +170,25 @@ def rollout(sampler: Sampler, tokenizer, retriever, prompts: Sequence[Sequence[i
         queue: collections.deque[int] = collections.deque()
         stats.prefills = len(prompts)
     else:  # padding rows are never admitted: rows past `real` just end
-        width = hosts.agree_max(bucket_length(max(len(p) for p in prompts)))
-        state = sampler.empty(slots, width, key)
+        prompt_width = hosts.agree_max(bucket_length(max(len(p) for p in prompts)))
+        state = sampler.empty(slots, prompt_width, key)
         queue = collections.deque(range(real))
     now = time.perf_counter()
     for r in slot_row[slot_row >= 0]:
         rows[r].admitted = now
-    pending: list[tuple[concurrent.futures.Future, list[int]]] = []  # (job, its rows)
+    pending: list[tuple[concurrent.futures.Future, list[int]]] = []  # (job, the rows it answers)
     asked = np.zeros(slots, bool)  # the slot's paused row has been answered or asked for
     first_fill = slots < n_rows
+    narrow = cfg.narrow and not cfg.lockstep and sampler.can_narrow()
     pool = concurrent.futures.ThreadPoolExecutor(max(1, cfg.retrieval_threads), thread_name_prefix="retrieval")
     try:
         while True:
             # The host's side of a boundary: what ended, what paused, what is ready.
             paused, done, lens = sampler.flags(state)
-            blocks: list[list[int]] = [[] for _ in range(slots)]
-            end, resume = np.zeros(slots, bool), np.zeros(slots, bool)
-            finished = [s for s in range(slots) if slot_row[s] >= 0 and done[s]]
+            width = len(slot_row)  # the decode batch: `slots`, or fewer once narrowed
+            blocks: list[list[int]] = [[] for _ in range(width)]
+            end, resume = np.zeros(width, bool), np.zeros(width, bool)
+            finished = [s for s in range(width) if slot_row[s] >= 0 and done[s]]
             new_pauses = np.flatnonzero(paused & ~asked & (slot_row >= 0))
             resp = sampler.local(state.resp) if finished or len(new_pauses) else None  # one transfer a boundary
             if finished:
@@ -203,7 +207,8 @@ def rollout(sampler: Sampler, tokenizer, retriever, prompts: Sequence[Sequence[i
                     end[s] = rows[row].ended_by_limit = True
             if ask:  # this process's rows only: every host searches for its own
                 texts = [response_text(tokenizer, resp[s, :lens[s]]) for s in ask]
-                pending.append((pool.submit(_answer, retriever, protocol, tokenizer, texts, cfg), ask))
+                pending.append((pool.submit(_answer, retriever, protocol, tokenizer, texts, cfg),
+                                [int(slot_row[s]) for s in ask]))
                 stats.retriever_calls += 1
             idle = not (~paused & ~done).any() and not resume.any() and not (queue and (slot_row < 0).any())
             # Lockstep waits for every answer; the continuous engine takes those that are ready and
@@ -215,19 +220,20 @@ def rollout(sampler: Sampler, tokenizer, retriever, prompts: Sequence[Sequence[i
                 stats.retrieval_wait_s += time.perf_counter() - t0
             for job in [p for p in pending if p[0].done()]:
                 pending.remove(job)
-                (qs, got, cut, seconds), ask = job[0].result(), job[1]
+                (qs, got, cut, seconds), asked_rows = job[0].result(), job[1]
                 stats.retrieval_s += seconds
                 stats.cut_blocks += cut
-                for s, q, blk in zip(ask, qs, got):
-                    row = rows[slot_row[s]]
+                slot_of = {int(r): s for s, r in enumerate(slot_row) if r >= 0}
+                for r, q, blk in zip(asked_rows, qs, got):
+                    s, row = slot_of[r], rows[r]
                     row.searches += 1
                     row.queries.append(q)
                     blocks[s], resume[s] = blk, True
-            for s in range(slots):  # the buffer holds every search's block when max_inserted_tokens is sized so
+            for s in range(width):  # the buffer holds every search's block when max_inserted_tokens is sized so
                 blocks[s] = blocks[s][:max(0, room - int(lens[s]))]
             free = np.flatnonzero(slot_row < 0)
             admit = []
-            if queue and len(free) and (not cfg.lockstep or len(free) == slots):
+            if queue and len(free) and (not cfg.lockstep or len(free) == width):
                 for s in free[:len(queue)]:
                     row = queue.popleft()
                     admit.append((int(s), padded[row // g], offset + row))
@@ -251,6 +257,12 @@ def rollout(sampler: Sampler, tokenizer, retriever, prompts: Sequence[Sequence[i
             live = bool(queue) or bool(pending) or (slot_row >= 0).any()
             if not hosts.agree_max(int(live)):
                 break
+            if narrow and not queue:
+                keep = _narrower(slot_row)
+                if keep is not None:
+                    state = sampler.narrow(state, keep)
+                    slot_row, asked = slot_row[keep], asked[keep]
+                    stats.narrowed += 1
             t0 = time.perf_counter()
             # Continuous: back to the host after chunk_steps, or as soon as a row ends or pauses (a
             # slot to refill, a query to send: a boundary costs less than a slot left idle).
@@ -258,13 +270,27 @@ def rollout(sampler: Sampler, tokenizer, retriever, prompts: Sequence[Sequence[i
                                                         release=0 if cfg.lockstep else 1)
             stats.decode_s += time.perf_counter() - t0
             stats.decode_steps += steps
-            stats.slot_steps += steps * slots * jax.process_count()
+            stats.slot_steps += steps * len(slot_row) * jax.process_count()
             stats.active_slot_steps += busy
             stats.boundaries += 1
     finally:
         pool.shutdown(wait=True, cancel_futures=True)
     stats.rollout_s = time.perf_counter() - t_start
     return [out[r] for r in range(real)], stats
+
+
+def _narrower(slot_row: np.ndarray) -> np.ndarray | None:
+    """The slots to keep when at most half of them hold a row: every held slot, then free ones up
+    to the largest halving of the width that still holds them all (each width compiles once;
+    halvings keep their number small). None: keep the width."""
+    held = np.flatnonzero(slot_row >= 0)
+    width = len(slot_row)
+    while len(held) and len(held) <= width // 2:
+        width //= 2
+    if width == len(slot_row):
+        return None
+    free = np.flatnonzero(slot_row < 0)
+    return np.concatenate([held, free[:width - len(held)]])
 
 
 def _collect(sampler: Sampler, state, resp: np.ndarray, lens: np.ndarray, tokenizer, finished: list[int],

@@ -530,6 +530,13 @@ def _append(model: Qwen2, layers, state: SamplerState, sel, ids, n, end_rows, re
         done=state.done | end_rows | (resp_len >= width))
 
 
+def _take_slots(state: SamplerState, sel) -> SamplerState:
+    """The slots `sel` [k] of `state`, in that order: a narrower decode batch of the same rows."""
+    fields = {f.name: jnp.take(getattr(state, f.name), sel, axis=0) for f in dataclasses.fields(state)
+              if f.name not in ("cache", "key")}
+    return _laid_out(SamplerState(cache=_rows_of(state.cache, sel), key=state.key, **fields))
+
+
 def _wider(x, dtype: jnp.dtype) -> bool:
     return jnp.issubdtype(x.dtype, jnp.floating) and jnp.dtype(x.dtype).itemsize > dtype.itemsize
 
@@ -562,6 +569,7 @@ empty_state = jax.jit(_empty, static_argnums=0,
 layer_list = jax.jit(lambda graphdef, params: nnx.merge(graphdef, params).layer_list(transposed=True),
                      static_argnums=0)
 progress = jax.jit(_progress)
+take_slots = jax.jit(_take_slots)  # not donated: its output is narrower, no buffer could be reused
 
 
 class Sampler:
@@ -774,6 +782,19 @@ class Sampler:
         for slot, p, row in admit:
             src[slot], rows[slot] = offset + distinct.index(tuple(p)), row
         return prompts, lengths, src, rows
+
+    def can_narrow(self) -> bool:
+        """Whether `narrow` keeps every row on its device: one process, a batch that is not split."""
+        return jax.process_count() == 1 and (self.mesh is None or hosts.batch_shards(self.mesh) == 1)
+
+    def narrow(self, state: SamplerState, keep: Sequence[int]) -> SamplerState:
+        """A state of `len(keep)` slots: slot j holds what slot `keep[j]` held (cache, response,
+        flags); the rows decode on as they would have (their draws are keyed by row, not slot)."""
+        if not self.can_narrow():
+            raise ValueError("narrow needs one process and an unsplit batch (can_narrow)")
+        self.calls.record("narrow", np.asarray(keep))
+        with self._on_mesh():
+            return take_slots(state, self.replicated(np.asarray(keep, np.int32)))
 
     def flags(self, state: SamplerState) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """This process's slots' (paused, done, response length)."""
