@@ -15,11 +15,11 @@ the rows end by EOS after 24-40 sampled tokens; half write `<search>...</search>
 (a ~300-token result block: 3 passages of up to 96 tokens) and end 60-120 sampled tokens later,
 a quarter of those searching a second time on the way. Retrievers: a bm25s index over 100k
 generated passages, and the same behind a 20 ms delay per call (a remote retriever). Attention reads
-the whole cache (`window_steps=0`) in both settings: with windows grown to the longest row, the two
+the whole cache (`window_steps=0`) in every setting: with windows grown to the longest row, the
 settings read windows of different sizes, whose float rounding moves a draw now and then (about one
-token in 2000 on this workload; the tests check equality with windows on peaked models). Every timed
-run follows a warm-up run of the same configuration (compiles apart); each setting's trajectories
-are compared with lockstep's token for token (narrowed rows decode at other batch widths, where
+token in 2000 on this workload; the tests check equality with windows on peaked models). Every time
+is the fastest of `--repeats` runs after a warm-up run of the same configuration (compiles apart);
+each setting's trajectories are compared with lockstep's token for token (narrowed rows decode at other batch widths, where
 XLA's matmuls round differently: equal up to a draw within rounding). Then the search ratio swept
 (0, 25, 50, 100% of rows) through 16 slots, every setting: the continuous engine's time should fall
 with the ratio.
@@ -125,13 +125,16 @@ def workload(tok, docs, search_share: float, seed: int = 0) -> tuple[np.ndarray,
 SETTINGS = {"lockstep": dict(lockstep=True), "continuous": {}, "narrowed": dict(narrow=True)}
 
 
-def run(sampler, tok, retriever, prompts, script, slots: int, setting: str):
+def run(sampler, tok, retriever, prompts, script, slots: int, setting: str, repeats: int):
     cfg = RolloutConfig(group_size=G, max_searches=2, top_k=TOP_K, max_tokens_per_passage=PASSAGE_TOKENS,
                         max_block_tokens=BLOCK, max_note_tokens=32, slots=slots, **SETTINGS[setting])
     rollout(sampler, tok, retriever, prompts, jax.random.key(0), cfg, SEM, script=script)  # warm-up: compiles
-    t0 = time.perf_counter()
-    trajs, stats = rollout(sampler, tok, retriever, prompts, jax.random.key(0), cfg, SEM, script=script)
-    return time.perf_counter() - t0, trajs, stats
+    best = float("inf")
+    for _ in range(repeats):  # the fastest of `repeats` runs: this machine's noise is one-sided
+        t0 = time.perf_counter()
+        trajs, stats = rollout(sampler, tok, retriever, prompts, jax.random.key(0), cfg, SEM, script=script)
+        best = min(best, time.perf_counter() - t0)
+    return best, trajs, stats
 
 
 def main() -> None:
@@ -139,6 +142,7 @@ def main() -> None:
     ap.add_argument("--shapes", nargs="+", default=["tiny", "qwen2.5-0.5b"], choices=sorted(SHAPES))
     ap.add_argument("--layers", type=int, default=4, help="layers of the qwen2.5-0.5b shape (24 in the model)")
     ap.add_argument("--passages", type=int, default=100_000)
+    ap.add_argument("--repeats", type=int, default=3, help="timed runs per setting (their fastest is kept)")
     ap.add_argument("--out", default="runs/bench_rollout.json")
     ap.add_argument("--plot", default="docs/rollout_search_ratio.png")
     args = ap.parse_args()
@@ -154,7 +158,7 @@ def main() -> None:
                                                      "founded?", ("x",), "synthetic", True)) for i in range(PROMPTS)]
     stop = build_stop_automaton(tok, SEM.stop_strings)
     result = dict(device=str(jax.devices()[0]), platform=platform.platform(), processor=platform.processor(),
-                  jax=jax.__version__, rows=PROMPTS * G, group_size=G, shapes={})
+                  jax=jax.__version__, rows=PROMPTS * G, group_size=G, repeats=args.repeats, shapes={})
     for shape in args.shapes:
         dims = dict(SHAPES[shape])
         if shape != "tiny":
@@ -171,7 +175,7 @@ def main() -> None:
         for share, slots, name in sweeps:
             script, info = workload(tok, docs, share)
             (lt, lock, ls), (ct, cont, cs), (nt, narrow, ns) = (
-                run(sampler, tok, retrievers[name], prompts, script, slots, setting) for setting in SETTINGS)
+                run(sampler, tok, retrievers[name], prompts, script, slots, setting, args.repeats) for setting in SETTINGS)
             same = lambda got: sum(a.response_ids.tolist() == b.response_ids.tolist() for a, b in zip(lock, got))
             logp = lambda got: max(float(np.abs(a.logprobs - b.logprobs).max()) for a, b in zip(lock, got)
                                    if len(a.logprobs) == len(b.logprobs))

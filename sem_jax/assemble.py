@@ -88,6 +88,9 @@ def settings(config: Config) -> Settings:
     if reward == "sem" and protocol.name != "sem":
         raise ValueError(f"reward='sem' reads SEM's first and final answers; protocol={protocol.name!r} gives one "
                          "answer (leave reward unset for the protocol's own)")
+    if r.narrow and r.lockstep:
+        raise ValueError("rollout.narrow narrows the continuous engine's batch; rollout.lockstep keeps its batch "
+                         "(today's static rollout): set one of them")
     reward_params = config.reward_params
     if reward == "sem":
         check_sem_params(reward_params)
@@ -260,8 +263,12 @@ def build_sampler(model: Qwen2, tokenizer, sampling: SamplingConfig, config: Con
               f"split over the largest run of the sampler's mesh axes that divides them (sharding.logical_to_spec)",
               flush=True)
     stop = build_stop_automaton(tokenizer, protocol.stop_strings, vocab_size=model.config.vocab_size)
-    return Sampler(model, stop, sampling, mesh=mesh, calls=calls, window_steps=config.rollout.window_steps,
-                   max_prompt_tokens=config.data.max_prompt_tokens)
+    sampler = Sampler(model, stop, sampling, mesh=mesh, calls=calls, window_steps=config.rollout.window_steps,
+                      max_prompt_tokens=config.data.max_prompt_tokens)
+    if config.rollout.narrow and not sampler.can_narrow():
+        print("WARNING: rollout.narrow is ignored: the sampler's rows are split over processes or devices, and "
+              "narrowing would move them between devices (it runs on one process with an unsplit batch)", flush=True)
+    return sampler
 
 
 def check_positions(config: Config, s: Settings, model_config: Qwen2Config) -> None:

@@ -116,6 +116,16 @@ def test_out_of_range_fields_are_refused_by_name(field, value, message):
         load(c)
 
 
+def test_narrowing_a_lockstep_rollout_is_refused():
+    from sem_jax.assemble import settings
+    c = _load("cpu")
+    c.rollout.narrow = True
+    assert settings(load(c)).rollout.narrow
+    c.rollout.lockstep = True
+    with pytest.raises(ValueError, match="rollout.narrow narrows the continuous engine's batch; rollout.lockstep"):
+        settings(load(c))
+
+
 def test_a_rollout_longer_than_the_models_positions_is_refused():
     from sem_jax.assemble import check_positions, settings
     from sem_jax.model import Qwen2Config

@@ -8,6 +8,11 @@ and in ONE batched call appends the result blocks that are ready, ends rows and 
 into the free slots (a prompt that several slots take is prefilled once). A row that waits for its
 results holds its slot but not the others.
 
+`narrow=True`: once the queue is empty, the decode batch halves while the rows that hold slots fit
+in half of it (they move to the first slots, their cache lines with them): a step's tail decodes
+its last rows, not its empty slots. The width a row decodes at then depends on when answers came
+back, and batch widths round differently, so it is off by default (see `sem_jax.settings`).
+
 `lockstep=True` is the same engine with barriers: decoding runs until no row is active, the
 paused rows' queries go to the retriever together and are waited for, and rows are admitted only
 when every slot is free (with slots = rows: one static batch, as a lockstep sampler runs it).
@@ -103,6 +108,7 @@ class RolloutStats:
         return {"rollout/seconds": self.rollout_s, "rollout/occupancy": self.occupancy,
                 "rollout/decode_steps": self.decode_steps, "rollout/admissions_per_refill": self.admissions / per,
                 "rollout/inserts_per_refill": self.inserts / per, "rollout/prefills": self.prefills,
+                "rollout/narrowed": self.narrowed,
                 "rollout/retrieval_hidden_s": self.retrieval_hidden_s, "rollout/retrieval_wait_s": self.retrieval_wait_s,
                 "rollout/searched_tokens_per_s": self.searched_tokens / max(self.searched_s, 1e-9),
                 "rollout/direct_tokens_per_s": self.direct_tokens / max(self.direct_s, 1e-9),
