@@ -19,10 +19,10 @@ the whole cache (`window_steps=0`) in every setting: with windows grown to the l
 settings read windows of different sizes, whose float rounding moves a draw now and then (about one
 token in 2000 on this workload; the tests check equality with windows on peaked models). Every time
 is the fastest of `--repeats` runs after a warm-up run of the same configuration (compiles apart);
-each setting's trajectories are compared with lockstep's token for token (narrowed rows decode at other batch widths, where
-XLA's matmuls round differently: equal up to a draw within rounding). Then the search ratio swept
-(0, 25, 50, 100% of rows) through 16 slots, every setting: the continuous engine's time should fall
-with the ratio.
+each setting's trajectories are compared with lockstep's token for token (narrowed rows decode at
+other batch widths, where XLA's matmuls round differently: equal up to a draw within rounding).
+Then the search ratio swept (0, 25, 50, 100% of rows) through 16 slots, every setting: the
+continuous engine's time should fall with the ratio.
 """
 
 from __future__ import annotations

@@ -287,7 +287,7 @@ def rollout(sampler: Sampler, tokenizer, retriever, prompts: Sequence[Sequence[i
 
 def _narrower(slot_row: np.ndarray) -> np.ndarray | None:
     """The slots to keep when at most half of them hold a row: every held slot, then free ones up
-    to the largest halving of the width that still holds them all (each width compiles once;
+    to the narrowest halving of the width that still holds them all (each width compiles once;
     halvings keep their number small). None: keep the width."""
     held = np.flatnonzero(slot_row >= 0)
     width = len(slot_row)
