@@ -134,9 +134,10 @@ def test_two_processes_train_as_one(warm_model, tmp_path):
     rows are admitted as slots free up, at boundaries the processes agree on, and a row's draws
     do not depend on the slot or process it runs in."""
     one, two = tmp_path / "one", tmp_path / "two"
-    # No evaluation before training: the two-process evaluation has its own test below.
+    # No evaluation before training: the two-process evaluation has its own test below. Attention
+    # over the whole cache: one window, fewer programs for each of the three processes to compile.
     steps = ("--config.train.total_steps=2", "--config.train.debug_hosts=True", "--config.rollout.slots=4",
-             "--config.rollout.chunk_steps=5", "--config.train.eval_at_start=False")
+             "--config.rollout.chunk_steps=5", "--config.train.eval_at_start=False", "--config.rollout.window_steps=0")
     _two_processes(lambda *flags: _cmd(two, warm_model, *steps, *flags))
     single = subprocess.run(_cmd(one, warm_model, *steps), capture_output=True, text=True, timeout=600, cwd=REPO,
                             env=cpu_env(4))
@@ -167,7 +168,7 @@ def test_two_processes_evaluate_as_one(warm_model, tmp_path):
         return [sys.executable, "-m", "sem_jax.evaluate", "--config", os.path.join(REPO, "configs", "cpu.py"),
                 f"--hf={warm_model}", "--limit=7", "--seed=3", "--modes=policy", f"--out={out}",
                 "--config.rollout.max_new_tokens=24", "--config.data.prompts_per_step=2",
-                "--config.rollout.group_size=2", *extra]
+                "--config.rollout.group_size=2", "--config.rollout.window_steps=0", *extra]  # one window to compile
     outs = _two_processes(lambda *flags: cmd(tmp_path / "two", "--config.rollout.tensor=2",
                                              "--config.rollout.spread=True", *flags))
     assert "| policy |" in outs[0] and "| policy |" not in outs[1]  # process 0 alone reports and writes
