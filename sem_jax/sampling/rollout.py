@@ -5,8 +5,9 @@ active slot until a row ends or pauses, or for `chunk_steps` tokens at most (so 
 came back are inserted soon). At a boundary the host collects the rows that ended (their slots
 free up), sends the queries of rows that paused at `</search>` to the retriever on a thread pool,
 and in ONE batched call appends the result blocks that are ready, ends rows and admits queued rows
-into the free slots (a prompt that several slots take is prefilled once). A row that waits for its
-results holds its slot but not the others.
+into the free slots (copied from a cache of the step's prompts, each prefilled once at the start,
+whenever its group's rows are admitted). A row that waits for its results holds its slot but not
+the others.
 
 `narrow=True`: once the queue is empty, the decode batch halves while the rows that hold slots fit
 in half of it (they move to the first slots, their cache lines with them): a step's tail decodes
@@ -81,7 +82,7 @@ class RolloutStats:
     slot_steps: int = 0            # decode steps x slots (all processes')
     active_slot_steps: int = 0     # ... in which the slot decoded a row
     admissions: int = 0            # rows admitted after the first fill
-    prefills: int = 0              # prompt prefills (a group split over boundaries costs more than one)
+    prefills: int = 0              # prompt prefills: one per prompt, however its group is admitted
     inserts: int = 0               # result blocks and notes appended
     refills: int = 0               # refill calls
     narrowed: int = 0              # times the decode batch was halved (or more) at the step's tail
@@ -174,11 +175,13 @@ def rollout(sampler: Sampler, tokenizer, retriever, prompts: Sequence[Sequence[i
         state = sampler.start(padded, g, key)
         slot_row[:] = np.arange(n_rows)
         queue: collections.deque[int] = collections.deque()
-        stats.prefills = len(prompts)
+        prompt_kv = None
     else:  # padding rows are never admitted: rows past `real` just end
         prompt_width = hosts.agree_max(bucket_length(max(len(p) for p in prompts)))
         state = sampler.empty(slots, prompt_width, key)
+        prompt_kv = sampler.prefill_prompts(padded, prompt_width)
         queue = collections.deque(range(real))
+    stats.prefills = len(prompts)
     now = time.perf_counter()
     for r in slot_row[slot_row >= 0]:
         rows[r].admitted = now
@@ -242,17 +245,16 @@ def rollout(sampler: Sampler, tokenizer, retriever, prompts: Sequence[Sequence[i
             if queue and len(free) and (not cfg.lockstep or len(free) == width):
                 for s in free[:len(queue)]:
                     row = queue.popleft()
-                    admit.append((int(s), padded[row // g], offset + row))
+                    admit.append((int(s), row // g, offset + row))
                     slot_row[s] = row
                     asked[s] = False
-                stats.prefills += len({row // g for _, _, row in admit})  # offset is a multiple of g
                 stats.admissions += 0 if first_fill else len(admit)
                 first_fill = False
             asked[end | resume] = False
             work = bool(admit) or end.any() or resume.any()
             if hosts.agree_max(int(work)):
                 t0 = time.perf_counter()
-                state = sampler.refill(state, blocks, end, resume, admit)
+                state = sampler.refill(state, blocks, end, resume, admit, prompt_kv)
                 jax.block_until_ready(state.resp_len)  # time the appends, not their dispatch
                 stats.insert_s += time.perf_counter() - t0
                 stats.refills += 1

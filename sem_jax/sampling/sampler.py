@@ -318,16 +318,31 @@ def _fresh_rows(b: int, resp_len: int) -> dict[str, jax.Array]:
                 stop_state=zeros(b), paused=zeros(b, dtype=bool), eos=zeros(b, dtype=bool))
 
 
+def _rows_laid_out(x: jax.Array) -> jax.Array:
+    return constrain(x, ("batch",) + ("length",) * (x.ndim - 1))
+
+
+def _cache_laid_out(cache: KVCache) -> KVCache:
+    k_axes, v_axes = cache_axes(cache.per_layer)
+    kv = lambda c, axes: jax.tree.map(lambda x: constrain(x, axes), c)
+    return KVCache(k=kv(cache.k, k_axes), v=kv(cache.v, v_axes), lengths=_rows_laid_out(cache.lengths))
+
+
 def _laid_out(state: SamplerState) -> SamplerState:
     """Rows split over the batch axes as the prompts were (row = prompt * G + g keeps a process's
     groups on its own devices); decode and insert inherit this layout."""
-    rows = lambda x: constrain(x, ("batch",) + ("length",) * (x.ndim - 1))
-    fields = {f.name: rows(getattr(state, f.name)) for f in dataclasses.fields(state)
+    fields = {f.name: _rows_laid_out(getattr(state, f.name)) for f in dataclasses.fields(state)
               if f.name not in ("cache", "key")}
-    k_axes, v_axes = cache_axes(state.cache.per_layer)
-    kv = lambda c, axes: jax.tree.map(lambda x: constrain(x, axes), c)
-    cache = KVCache(k=kv(state.cache.k, k_axes), v=kv(state.cache.v, v_axes), lengths=rows(state.cache.lengths))
-    return SamplerState(cache=cache, key=state.key, **fields)
+    return SamplerState(cache=_cache_laid_out(state.cache), key=state.key, **fields)
+
+
+def _prompt_cache(graphdef, params, layers, prompts, lengths, *, cache_dtype) -> tuple[KVCache, jax.Array]:
+    """Each prompt prefilled once, into a cache of its own [P, W], and its last hidden state [P, E]:
+    what `_admit` copies into the slots that take the prompt, however many and whenever."""
+    model: Qwen2 = nnx.merge(graphdef, params)
+    cache = model.init_cache(prompts.shape[0], prompts.shape[1], cache_dtype, per_layer=layers is not None)
+    last, cache = _extend_last(model, layers, prompts, cache, lengths, window=0)
+    return _cache_laid_out(cache), _rows_laid_out(last)
 
 
 def _empty(graphdef, params, key, *, slots: int, cache_len: int, resp_len: int, cache_dtype,
@@ -342,17 +357,14 @@ def _empty(graphdef, params, key, *, slots: int, cache_len: int, resp_len: int, 
         row=jnp.full((slots,), -1, jnp.int32), key=key))
 
 
-def _admit(model: Qwen2, layers, state: SamplerState, prompts, lengths, src, rows) -> SamplerState:
-    """Start row `rows[b]` in each slot b with `src[b] >= 0`: prompt `src[b]` of `prompts` [P, W]
-    (`lengths` [P]), prefilled once however many slots take it, into the slot's first W cache
+def _admit(state: SamplerState, small: KVCache, last, src, rows) -> SamplerState:
+    """Start row `rows[b]` in each slot b with `src[b] >= 0`: prompt `src[b]` of the prompt cache
+    (`small` [P, W] and `last` [P, E], `_prompt_cache`) copied into the slot's first W cache
     positions; the slot's response starts empty. Other slots are left as they are."""
     cache = state.cache
-    small = model.init_cache(prompts.shape[0], prompts.shape[1], cache.v[0].dtype if cache.per_layer else cache.v.dtype,
-                             per_layer=cache.per_layer)
-    last, small = _extend_last(model, layers, prompts, small, lengths, window=0)
     take = src >= 0
     at = jnp.maximum(src, 0)
-    w = prompts.shape[1]
+    w = small.max_length
 
     def put(big, part, batch_axis, length_axis):  # the first w positions of the taking slots
         part = jnp.take(part, at, axis=batch_axis)
@@ -478,10 +490,10 @@ def _refill(graphdef, params, layers, state: SamplerState, sel, ids, n, end_rows
             window: int, chunk: int = INSERT_CHUNK) -> SamplerState:
     """One boundary's device work in one call: `_insert`'s appends (to the slots `sel` only, when
     given: ids [k, W] for slots sel [k], an index past the slots for padding) and ends, then
-    `_admit`'s new rows (`admit`: its arrays, or None)."""
+    `_admit`'s new rows (`admit`: the prompt cache, each slot's prompt and row, or None)."""
     model: Qwen2 = nnx.merge(graphdef, params)
     state = _append(model, layers, state, sel, ids, n, end_rows, resume, window, chunk)
-    return state if admit is None else _admit(model, layers, state, *admit)
+    return state if admit is None else _admit(state, *admit)
 
 
 def _rows_of(cache: KVCache, sel) -> KVCache:
@@ -564,6 +576,7 @@ prefill_step = jax.jit(_prefill, static_argnums=0,
 decode_loop = jax.jit(_decode, static_argnums=0, static_argnames=("cfg", "window"), donate_argnums=3)
 insert_step = jax.jit(_insert, static_argnums=0, static_argnames=("window", "chunk"), donate_argnums=3)
 refill_step = jax.jit(_refill, static_argnums=0, static_argnames=("window", "chunk"), donate_argnums=3)
+prompt_cache = jax.jit(_prompt_cache, static_argnums=0, static_argnames=("cache_dtype",))
 empty_state = jax.jit(_empty, static_argnums=0,
                       static_argnames=("slots", "cache_len", "resp_len", "cache_dtype", "per_layer"))
 layer_list = jax.jit(lambda graphdef, params: nnx.merge(graphdef, params).layer_list(transposed=True),
@@ -728,11 +741,13 @@ class Sampler:
 
     def refill(self, state: SamplerState, blocks: Sequence[Sequence[int]], end_rows: Sequence[bool] | None = None,
                resume: Sequence[bool] | None = None,
-               admit: Sequence[tuple[int, Sequence[int], int]] = ()) -> SamplerState:
+               admit: Sequence[tuple[int, int, int]] = (), prompts: tuple[KVCache, jax.Array] | None = None
+               ) -> SamplerState:
         """One host boundary's device work, in one call: append `blocks[b]` (may be empty) to slot
         b, resume the slots in `resume` (default: all), end the slots in `end_rows`, and admit
-        rows: (slot, prompt ids, row id) each, a prompt that several slots take prefilled once.
-        This process's slots; every process calls it (with nothing to do, if so). Donates `state`."""
+        rows: (slot, prompt index in `prompts`, row id) each, `prompts` being `prefill_prompts`'s
+        cache (copied into the slots; no prefill here). This process's slots; every process calls
+        it (with nothing to do, if so). Donates `state`."""
         b = len(blocks)
         end = np.zeros(b, bool) if end_rows is None else np.asarray(end_rows, bool)
         longest = int(np.asarray(progress(state))[2]) if self.window_steps else 0  # no sync without windows
@@ -759,29 +774,37 @@ class Sampler:
         sel = None if k >= b else self._rows(np.array([total if i is None else first + i for i in rows], np.int32))
         arrays = None
         if admitting:
-            arrays = tuple(self._rows(x) for x in self._admissions(b, admit))
-            self.calls.record("admit", arrays[0])
+            if prompts is None:
+                raise ValueError("refill admits rows from a prompt cache: pass prompts=prefill_prompts(...)")
+            src, rows_of = self._admissions(b, admit, prompts[1].shape[0] // jax.process_count())
+            arrays = (*prompts, self._rows(src), self._rows(rows_of))
+            self.calls.record("admit", src)
         with self._on_mesh():
             return refill_step(self.graphdef, self.params, self.layers, state, sel, self._rows(ids), self._rows(n),
                                self._rows(end), resume, arrays, window=window, chunk=self.insert_chunk)
 
-    def _admissions(self, b: int, admit: Sequence[tuple[int, Sequence[int], int]]):
-        """`refill`'s admissions as arrays: distinct prompts [P, W] (P, W bucketed and agreed between
-        processes), their lengths, each slot's prompt (global index; -1: none) and row id."""
-        distinct = list(dict.fromkeys(tuple(p) for _, p, _ in admit))
-        count = hosts.agree_max(bucket_length(max(len(distinct), 1), minimum=1))
-        count = -(-count // self.row_multiple()) * self.row_multiple()
-        width = hosts.agree_max(bucket_length(max([len(p) for p in distinct] + [1])))  # <= the cache's prompt room
-        prompts = np.zeros((count, width), np.int32)
-        lengths = np.ones(count, np.int32)  # unused prompt rows prefill one padding token
-        for i, p in enumerate(distinct):
-            prompts[i, :len(p)] = p
-            lengths[i] = len(p)
+    def _admissions(self, b: int, admit: Sequence[tuple[int, int, int]], per: int) -> tuple[np.ndarray, np.ndarray]:
+        """`refill`'s admissions as arrays: each slot's prompt (its global index in the prompt
+        cache, `per` prompts a process; -1: none) and row id."""
         src, rows = np.full(b, -1, np.int32), np.full(b, -1, np.int32)
-        offset = jax.process_index() * count  # this process's prompts in the global array
         for slot, p, row in admit:
-            src[slot], rows[slot] = offset + distinct.index(tuple(p)), row
-        return prompts, lengths, src, rows
+            src[slot], rows[slot] = jax.process_index() * per + p, row
+        return src, rows
+
+    def prefill_prompts(self, prompts: Sequence[Sequence[int]], width: int) -> tuple[KVCache, jax.Array]:
+        """Each of this process's `prompts` prefilled once (`width` tokens of room, the slots'
+        prompt room): the cache `refill` admits rows from, so that a group whose rows are admitted
+        at different boundaries is not prefilled again. Every process passes the same count."""
+        per = -(-len(prompts) // self.row_multiple()) * self.row_multiple()
+        arr = np.zeros((per, width), np.int32)
+        lengths = np.ones(per, np.int32)  # padding prompts: one token, never admitted
+        for i, p in enumerate(prompts):
+            arr[i, :len(p)] = p
+            lengths[i] = len(p)
+        self.calls.record("prefill prompts", arr)
+        with self._on_mesh():
+            return prompt_cache(self.graphdef, self.params, self.layers, self._rows(arr), self._rows(lengths),
+                                cache_dtype=self.cache_dtype)
 
     def can_narrow(self) -> bool:
         """Whether `narrow` keeps every row on its device: one process, a batch that is not split."""
