@@ -18,7 +18,8 @@ generated passages, and the same behind a 20 ms delay per call (a remote retriev
 the whole cache (`window_steps=0`) in every setting: with windows grown to the longest row, the
 settings read windows of different sizes, whose float rounding moves a draw now and then (about one
 token in 2000 on this workload; the tests check equality with windows on peaked models). Every time
-is the fastest of `--repeats` runs after a warm-up run of the same configuration (compiles apart);
+is the fastest of `--repeats` runs after a warm-up run of the same configuration (compiles apart),
+the three settings taking turns;
 each setting's trajectories are compared with lockstep's token for token (narrowed rows decode at
 other batch widths, where XLA's matmuls round differently: equal up to a draw within rounding).
 Then the search ratio swept (0, 25, 50, 100% of rows) through 16 slots, every setting: the
@@ -125,16 +126,22 @@ def workload(tok, docs, search_share: float, seed: int = 0) -> tuple[np.ndarray,
 SETTINGS = {"lockstep": dict(lockstep=True), "continuous": {}, "narrowed": dict(narrow=True)}
 
 
-def run(sampler, tok, retriever, prompts, script, slots: int, setting: str, repeats: int):
-    cfg = RolloutConfig(group_size=G, max_searches=2, top_k=TOP_K, max_tokens_per_passage=PASSAGE_TOKENS,
-                        max_block_tokens=BLOCK, max_note_tokens=32, slots=slots, **SETTINGS[setting])
-    rollout(sampler, tok, retriever, prompts, jax.random.key(0), cfg, SEM, script=script)  # warm-up: compiles
-    best = float("inf")
-    for _ in range(repeats):  # the fastest of `repeats` runs: this machine's noise is one-sided
-        t0 = time.perf_counter()
-        trajs, stats = rollout(sampler, tok, retriever, prompts, jax.random.key(0), cfg, SEM, script=script)
-        best = min(best, time.perf_counter() - t0)
-    return best, trajs, stats
+def run(sampler, tok, retriever, prompts, script, slots: int, repeats: int) -> dict:
+    """Each setting's (seconds, trajectories, stats): the fastest of `repeats` timed runs after a
+    warm-up run (compiles), the settings taking turns so that a slow spell of the machine falls
+    on all of them."""
+    cfgs = {name: RolloutConfig(group_size=G, max_searches=2, top_k=TOP_K, max_tokens_per_passage=PASSAGE_TOKENS,
+                                max_block_tokens=BLOCK, max_note_tokens=32, slots=slots, **extra)
+            for name, extra in SETTINGS.items()}
+    for cfg in cfgs.values():
+        rollout(sampler, tok, retriever, prompts, jax.random.key(0), cfg, SEM, script=script)
+    best = {name: (float("inf"), None, None) for name in cfgs}
+    for _ in range(repeats):
+        for name, cfg in cfgs.items():
+            t0 = time.perf_counter()
+            trajs, stats = rollout(sampler, tok, retriever, prompts, jax.random.key(0), cfg, SEM, script=script)
+            best[name] = min(best[name][0], time.perf_counter() - t0), trajs, stats
+    return best
 
 
 def main() -> None:
@@ -174,8 +181,8 @@ def main() -> None:
         sweeps += [(share, 16, "bm25s") for share in (0.0, 0.25, 1.0)] if shape == "tiny" else []
         for share, slots, name in sweeps:
             script, info = workload(tok, docs, share)
-            (lt, lock, ls), (ct, cont, cs), (nt, narrow, ns) = (
-                run(sampler, tok, retrievers[name], prompts, script, slots, setting, args.repeats) for setting in SETTINGS)
+            (lt, lock, ls), (ct, cont, cs), (nt, narrow, ns) = run(
+                sampler, tok, retrievers[name], prompts, script, slots, args.repeats).values()
             same = lambda got: sum(a.response_ids.tolist() == b.response_ids.tolist() for a, b in zip(lock, got))
             logp = lambda got: max(float(np.abs(a.logprobs - b.logprobs).max()) for a, b in zip(lock, got)
                                    if len(a.logprobs) == len(b.logprobs))
