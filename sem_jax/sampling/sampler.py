@@ -296,15 +296,30 @@ def _extend_last(model: Qwen2, layers, tokens, cache, n, window: int) -> tuple[j
     return jnp.take_along_axis(hidden, jnp.maximum(n - 1, 0)[:, None, None], 1)[:, 0], cache
 
 
+def _prefilled(model: Qwen2, layers, prompts, lengths, cache_len: int, cache_dtype) -> tuple[jax.Array, KVCache]:
+    """Each prompt's last hidden state [P, E] and its cache of `cache_len` positions."""
+    cache = model.init_cache(prompts.shape[0], cache_len, cache_dtype, per_layer=layers is not None)
+    return _extend_last(model, layers, prompts, cache, lengths, window=0)  # nothing to read yet
+
+
+def _prompt_array(prompts: Sequence[Sequence[int]], count: int, width: int) -> tuple[np.ndarray, np.ndarray]:
+    """`prompts` as [count, width] ids (zero-padded) and their lengths; rows past them are one
+    padding token long."""
+    arr = np.zeros((count, width), np.int32)
+    lengths = np.ones(count, np.int32)
+    for i, p in enumerate(prompts):
+        arr[i, :len(p)] = p
+        lengths[i] = len(p)
+    return arr, lengths
+
+
 def _prefill(graphdef, params, layers, prompts, lengths, key, *, group_size: int, cache_len: int,
              resp_len: int, cache_dtype) -> SamplerState:
     """Prefill each prompt once into G rows (row = prompt * G + g, over every process's rows)."""
     model: Qwen2 = nnx.merge(graphdef, params)
-    p = prompts.shape[0]
-    cache = model.init_cache(p, cache_len, cache_dtype, per_layer=layers is not None)
-    last, cache = _extend_last(model, layers, prompts, cache, lengths, window=0)  # nothing to read yet
+    last, cache = _prefilled(model, layers, prompts, lengths, cache_len, cache_dtype)
     # Each prompt is prefilled once; its cache is copied to its G group members.
-    b = p * group_size
+    b = prompts.shape[0] * group_size
     return _laid_out(SamplerState(
         cache=cache.repeat_rows(group_size), hidden=jnp.repeat(last, group_size, axis=0),
         **_fresh_rows(b, resp_len), done=jnp.zeros((b,), bool), row=jnp.arange(b, dtype=jnp.int32), key=key))
@@ -339,9 +354,7 @@ def _laid_out(state: SamplerState) -> SamplerState:
 def _prompt_cache(graphdef, params, layers, prompts, lengths, *, cache_dtype) -> tuple[KVCache, jax.Array]:
     """Each prompt prefilled once, into a cache of its own [P, W], and its last hidden state [P, E]:
     what `_admit` copies into the slots that take the prompt, however many and whenever."""
-    model: Qwen2 = nnx.merge(graphdef, params)
-    cache = model.init_cache(prompts.shape[0], prompts.shape[1], cache_dtype, per_layer=layers is not None)
-    last, cache = _extend_last(model, layers, prompts, cache, lengths, window=0)
+    last, cache = _prefilled(nnx.merge(graphdef, params), layers, prompts, lengths, prompts.shape[1], cache_dtype)
     return _cache_laid_out(cache), _rows_laid_out(last)
 
 
@@ -675,10 +688,7 @@ class Sampler:
                                  f"{self.max_prompt_tokens} ({len(over)} of {len(prompts)} prompts are): "
                                  "skip such questions at load (assemble.cap_prompts) or raise the cap")
         width = hosts.agree_max(bucket_length(max(len(p) for p in prompts)))
-        arr = np.zeros((len(prompts), width), np.int32)
-        for i, p in enumerate(prompts):
-            arr[i, :len(p)] = p
-        lengths = np.array([len(p) for p in prompts], np.int32)
+        arr, lengths = _prompt_array(prompts, len(prompts), width)
         key = self.replicated(key)
         self.calls.record("prefill", arr)
         with self._on_mesh():
@@ -796,11 +806,7 @@ class Sampler:
         prompt room): the cache `refill` admits rows from, so that a group whose rows are admitted
         at different boundaries is not prefilled again. Every process passes the same count."""
         per = -(-len(prompts) // self.row_multiple()) * self.row_multiple()
-        arr = np.zeros((per, width), np.int32)
-        lengths = np.ones(per, np.int32)  # padding prompts: one token, never admitted
-        for i, p in enumerate(prompts):
-            arr[i, :len(p)] = p
-            lengths[i] = len(p)
+        arr, lengths = _prompt_array(prompts, per, width)  # padding prompts are never admitted
         self.calls.record("prefill prompts", arr)
         with self._on_mesh():
             return prompt_cache(self.graphdef, self.params, self.layers, self._rows(arr), self._rows(lengths),
