@@ -8,6 +8,8 @@ multi-hop questions.
     python -m sem_jax.experiment --config configs/real_experiment.py --out runs/experiment         # one GPU
     python -m sem_jax.experiment --config configs/real_experiment.py:smoke --out runs/exp-smoke   # CPU plumbing
 
+On a GPU machine that reaches no network: scripts/gpu_experiment.sh (docs/experiment.md).
+
 `gpu` (the default) is the experiment, sized for one H100 or H200 in bfloat16. Its budget is an
 estimate, not a measurement. The H200 ran a `configs/gpu.py` step (Qwen2.5-1.5B's shape, 80 rows
 of a 1024-token budget) in 9.9 s; the 0.5B has a third of the weights and a sixth of the KV cache.

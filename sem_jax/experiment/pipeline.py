@@ -5,12 +5,14 @@
 2. warm: the format warm start (`sem_jax.sft` with `sft.decision = "random"`: a share of traces
    search whatever the question), from `model.path` into OUT/warm;
 3. sem: GRPO with the SEM protocol from the warm start (OUT/sem);
-4. research: GRPO with the ReSearch protocol from the base model, as ReSearch trains (its system
-   prompt, with its inline example, teaches its format; it has no supervised start) (OUT/research);
-5. eval: the base model (SEM's prompt with its worked example, its only way to the format), the
-   warm start, and both trained policies (each under its own protocol), in every mode of
+4. eval/warm, eval/sem: the warm start and SEM's policy evaluated in every mode of
    `experiment.modes`, on MMLU, the multi-hop world and GSM8K (OUT/eval/<policy>);
-6. report: OUT/report.md, report.json and curves.png.
+5. research: GRPO with the ReSearch protocol from the base model, as ReSearch trains (its system
+   prompt, with its inline example, teaches its format; it has no supervised start) (OUT/research),
+   then eval/research (under its own protocol);
+6. eval/base: the base model (SEM's prompt with its worked example, its only way to the format);
+7. report: OUT/report.md, report.json and curves.png; also written, marked partial, after each
+   evaluation, so that a run stopped early reports what it has.
 
 A stage that finished is not run again; a training stage killed midway resumes from its last
 checkpoint (`train.ckpt_every`), an evaluation from its first unfinished policy.
@@ -80,7 +82,9 @@ def _evaluate(config: Config, out: str, files: dict[str, str], modes: list[str],
                 "questions": {name: len(examples) for name, examples in data.items()}})
 
 
-STAGES = ("warm", "sem", "research", *(f"eval/{p}" for p in POLICIES))
+# The goal's headline first (the warm start against SEM's policy), so that a run cut short by a
+# time limit has answered most of it: then ReSearch, then the base model.
+STAGES = ("warm", "sem", "eval/warm", "eval/sem", "research", "eval/research", "eval/base")
 
 
 def stage_done(out: str, name: str) -> bool:
@@ -160,9 +164,18 @@ def run_experiment(config: Config, out: str) -> dict:
         if proc.returncode != 0:
             raise RuntimeError(f"experiment stage {name} failed (exit {proc.returncode}); its output is above. "
                                f"Run the same command again to resume from there")
+        if name.startswith("eval/"):  # what has run so far, in case the run is stopped before the end
+            _report(config, out, files, show=False)
     _stage("report", t0)
+    return _report(config, out, files)
+
+
+def _report(config: Config, out: str, files: dict[str, str], show: bool = True) -> dict:
     cfgs = stage_configs(config, out, files)
     runs = {"SEM": cfgs["sem"].run_dir, "ReSearch": cfgs["research"].run_dir}
     note = (f"{os.path.basename(config.model.path.rstrip('/'))}: {config.train.total_steps} GRPO steps of "
             f"{config.data.prompts_per_step} prompts x {config.rollout.group_size}, seed {config.seed}")
-    return write_report(out, list(POLICIES), runs, list(EVAL_SETS), note)
+    pending = [name for name in STAGES if not stage_done(out, name)]
+    if pending:
+        note += f". Partial: {', '.join(pending)} not run yet"
+    return write_report(out, list(POLICIES), runs, list(EVAL_SETS), note, show=show)

@@ -77,8 +77,10 @@ def plot(runs: dict[str, str], path: str) -> None:
     plt.close(fig)
 
 
-def write_report(out: str, policies: list[str], runs: dict[str, str], datasets: list[str], note: str) -> dict:
-    """report.md, report.json and curves.png in `out`, from what has run; returns report.json's content."""
+def write_report(out: str, policies: list[str], runs: dict[str, str], datasets: list[str], note: str,
+                 show: bool = True) -> dict:
+    """report.md, report.json and curves.png in `out`, from what has run (printed if `show`);
+    returns report.json's content."""
     results = read_results(out, policies)
     checks = goal_checks(results)
     text = markdown(results, checks, datasets, note)
@@ -87,5 +89,6 @@ def write_report(out: str, policies: list[str], runs: dict[str, str], datasets: 
         with open(os.path.join(out, name), "w") as fh:
             fh.write(content)
     plot(runs, os.path.join(out, "curves.png"))
-    print(text, flush=True)
+    if show:
+        print(text, flush=True)
     return report
