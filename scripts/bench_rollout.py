@@ -23,7 +23,8 @@ the three settings taking turns;
 each setting's trajectories are compared with lockstep's token for token (narrowed rows decode at
 other batch widths, where XLA's matmuls round differently: equal up to a draw within rounding).
 Then the search ratio swept (0, 25, 50, 100% of rows) through 16 slots, every setting: the
-continuous engine's time should fall with the ratio.
+continuous engine's time should fall with the ratio. Last, 0% and 50% with a slot for every row
+(`rollout.slots = 0`, the default): lockstep is then one static batch.
 """
 
 from __future__ import annotations
@@ -179,6 +180,7 @@ def main() -> None:
         sweeps = [(0.5, slots, name) for slots in (16, 32)
                   for name in (retrievers if shape == "tiny" else ["bm25s"])]
         sweeps += [(share, 16, "bm25s") for share in (0.0, 0.25, 1.0)] if shape == "tiny" else []
+        sweeps += [(share, PROMPTS * G, "bm25s") for share in (0.0, 0.5)] if shape == "tiny" else []  # the default
         for share, slots, name in sweeps:
             script, info = workload(tok, docs, share)
             (lt, lock, ls), (ct, cont, cs), (nt, narrow, ns) = run(

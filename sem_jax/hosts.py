@@ -48,6 +48,14 @@ def agree_max(value: int) -> int:
     return int(np.max(multihost_utils.process_allgather(np.array([value], np.int64))))
 
 
+def agree_max_each(*values: int) -> tuple[int, ...]:
+    """Each value's largest over all processes, in one exchange (every process must call this)."""
+    if jax.process_count() == 1:
+        return tuple(int(v) for v in values)
+    got = multihost_utils.process_allgather(np.array(values, np.int64))
+    return tuple(int(x) for x in np.max(np.asarray(got).reshape(-1, len(values)), axis=0))
+
+
 def to_global(local: np.ndarray, mesh: Mesh) -> jax.Array:
     """One array whose rows are every process's `local` rows in process order (each process
     gives the same number), sharded over the mesh's batch axes."""
@@ -132,5 +140,5 @@ class CallLog:
         self.calls.clear()
 
 
-__all__: Sequence[str] = ("batch_shards", "local_batch_multiple", "agree_max", "to_global", "to_local",
+__all__: Sequence[str] = ("batch_shards", "local_batch_multiple", "agree_max", "agree_max_each", "to_global", "to_local",
                           "gather_json", "check_shared_dir", "CallLog")

@@ -129,14 +129,14 @@ class Rollout:
     # With `tensor`: the MLP's weights and an untied LM head split over every device, not one group's.
     spread: bool = False
     # The rollout engine (sampling/rollout.py): decode slots per process (0: every row of the
-    # step), decode steps between host boundaries, retriever threads; `lockstep`: barriers at
-    # pauses and admissions (one static batch decoded until every row waits); `narrow`: once the
-    # queue is empty, the decode batch halves while its rows fit in half of it (the step's tail
-    # decodes its last rows, not its empty slots; each width compiles once; one process and an
-    # unsplit batch only). Off by default: the width a row decodes at then depends on when search
-    # answers came back, and matmuls round differently at different widths, so a replayed step
-    # could differ in a draw; with it off a step is bit-identical whatever the retriever's latency
-    # (what exact resume relies on).
+    # step); `chunk_steps`: decode steps from a search's query to its answer's append (the
+    # retriever runs beside them; the host waits if it takes longer): the schedule depends on the
+    # rows alone, so a step replays bit for bit whatever the retriever's latency; retriever
+    # threads; `lockstep`: barriers at pauses and admissions (one static batch decoded until every
+    # row waits); `narrow`: once the queue is empty, the decode batch halves while its rows fit in
+    # half of it (the step's tail decodes its last rows, not its empty slots; each width compiles
+    # once; one process and an unsplit batch only; off by default: the tail's rows then round
+    # differently from the rest's).
     slots: int = setting(0, why="0: every row of the step", **COUNT)
     chunk_steps: int = setting(8, **POSITIVE)
     lockstep: bool = False

@@ -25,6 +25,7 @@ def test_one_process_round_trip_and_micro_batches():
     assert len({tuple(s.index[0].indices(16)) for s in x.addressable_shards}) == 8  # split 8 ways
     np.testing.assert_array_equal(hosts.to_local(x), rows)
     assert hosts.agree_max(5) == 5 and hosts.gather_json({"a": [1]}) == [{"a": [1]}]
+    assert hosts.agree_max_each(True, 3, -2) == (1, 3, -2)
     # Strided micro-batches: each holds rows from every shard, and _unmicro undoes _micro.
     mb = _micro({"x": jnp.asarray(rows)}, 4)["x"]
     assert mb.shape == (4, 4, 3)
@@ -54,6 +55,7 @@ _TWO = textwrap.dedent("""
     total = int(jax.jit(jnp.sum)(x))  # a collective over both processes' rows
     assert total == 3 * (0 + 10 + 1 + 11), total
     assert hosts.agree_max(7 + pid) == 8
+    assert hosts.agree_max_each(pid, 1 - pid, -(5 + pid)) == (1, 1, -5)  # each value's own maximum
     assert hosts.gather_json({"pid": pid, "s": "x" * (5 * pid)}) == [{"pid": 0, "s": ""}, {"pid": 1, "s": "xxxxx"}]
     try:
         hosts.to_global(np.zeros((1, 3)), mesh)  # 2 rows over 4 shards

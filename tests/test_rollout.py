@@ -411,6 +411,39 @@ def test_continuous_engine_samples_what_lockstep_samples(qwen25_tokenizer, retri
         assert narrowed.narrowed >= 1 and narrowed.slot_steps < narrowed.decode_steps * 5
 
 
+class JitteryRetriever(SlowRetriever):
+    """Latencies that differ call to call (0 to 60 ms, seeded)."""
+
+    def __init__(self, inner, seed):
+        super().__init__(inner, 0.0)
+        self.rng = np.random.RandomState(seed)
+
+    def search(self, queries, k):
+        self.delay = float(self.rng.uniform(0, 0.06))
+        return super().search(queries, k)
+
+
+@pytest.mark.parametrize("narrow", [False, True])
+def test_a_step_replays_bit_for_bit_whatever_the_retrievers_latency(qwen25_tokenizer, retriever, narrow):
+    """The continuous engine's schedule (when answers are appended, which rows share an append,
+    the attention windows, the narrowed widths) depends on the rows alone: an instant retriever,
+    a 50 ms one and a jittery one give the same boundaries and bit-identical log-probs."""
+    tok = qwen25_tokenizer
+    sampler, prompts, script = _engine_case(tok, False, window_steps=8)
+    cfg = RolloutConfig(group_size=3, **ENGINE_BASE, slots=5 if narrow else 4, chunk_steps=3, narrow=narrow)
+    runs = [rollout(sampler, tok, r, prompts, jax.random.key(7), cfg, script=script)
+            for r in (retriever, SlowRetriever(retriever, 0.05), JitteryRetriever(retriever, 0))]
+    (want, first), rest = runs[0], runs[1:]
+    assert sum(t.num_searches for t in want) >= 6 and (first.narrowed > 0) == narrow
+    for got, stats in rest:
+        assert (stats.boundaries, stats.decode_steps, stats.refills, stats.inserts, stats.narrowed) == \
+               (first.boundaries, first.decode_steps, first.refills, first.inserts, first.narrowed)
+        for a, b in zip(got, want):
+            assert a.response_ids.tolist() == b.response_ids.tolist()
+            assert np.array_equal(a.logprobs, b.logprobs)
+    assert runs[1][1].retrieval_wait_s > 0  # the slow retriever was waited for at its answers' step
+
+
 def test_continuous_engine_on_the_spread_sampler_mesh(qwen25_tokenizer, retriever):
     """The engine's device calls (admissions into freed slots, appends to a gathered sub-batch) on
     the spread sampler layout (8 devices as 4 groups of 2, rows over the groups, the MLP and the
@@ -456,8 +489,12 @@ def test_lockstep_admits_a_new_batch_only_when_every_slot_is_free(qwen25_tokeniz
     assert ls.decode_steps == sum(max(lengths[i], lengths[i + 1]) for i in range(0, 8, 2))  # 12 + 11 + 10 + 9
     assert ls.active_slot_steps == cs.active_slot_steps == sum(lengths)
     assert cs.decode_steps < ls.decode_steps and cs.occupancy > ls.occupancy
-    # Every row in a slot (no queue): the engine halves its batch as rows end. Each call decodes
-    # one step; before step t the rows longer than t hold slots, and the width halves while they
+    # Every row in a slot, nothing to refill, no search: one call decodes the step to its end.
+    _, alone = rollout(sampler, tok, retriever, prompts, jax.random.key(0),
+                       RolloutConfig(**{**cfg, "slots": 0}, chunk_steps=1), script=script)
+    assert alone.boundaries == 1 and alone.decode_steps == max(lengths)
+    # Narrowed: the engine halves its batch as rows end, each end a boundary (no two rows end at
+    # one step); before step t the rows longer than t hold slots, and the width halves while they
     # fit in half of it: 8 wide for steps 0-4, 4 for 5-9, 2 for 10, 1 for 11 (63, not 12 x 8).
     _, whole = rollout(sampler, tok, retriever, prompts, jax.random.key(0),
                        RolloutConfig(**{**cfg, "slots": 0}, chunk_steps=1, narrow=True), script=script)
@@ -467,3 +504,28 @@ def test_lockstep_admits_a_new_batch_only_when_every_slot_is_free(qwen25_tokeniz
             width //= 2
         want += width
     assert whole.slot_steps == want == 63 and whole.active_slot_steps == sum(lengths) and whole.narrowed == 3
+
+
+def test_a_decode_call_returns_at_a_pause_and_at_an_end_only_when_ends_count(qwen25_tokenizer):
+    """`decode_counted(release=1)`: back to the host once a row pauses at `</search>`, or, with
+    `ends`, once a row ends; without a release, when no row is active (the paused row waits)."""
+    from policies import Qwen2Config, random_qwen2
+
+    tok = qwen25_tokenizer
+    enc = lambda s: tok.encode(s, add_special_tokens=False)
+    model = random_qwen2(1, Qwen2Config(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_layers=1,
+                                        num_heads=4, num_kv_heads=2, rope_theta=1e6), scale=0.2)
+    sampler = Sampler(model, build_stop_automaton(tok, SEM.stop_strings),
+                      SamplingConfig(max_new_tokens=16, greedy=True, eos_ids=(IM_END,)))
+    search = enc("<search> x</search>")
+    assert 3 < len(search) < 12
+    script = np.full((3, 16), enc(" a")[0], np.int32)  # every token forced: no draw can end a row
+    script[0, 2] = script[2, 11] = IM_END               # row 0 ends at step 3, row 2 at step 12
+    script[1, :len(search)] = search                    # row 1 pauses at step len(search)
+    forced = jax.numpy.asarray(script)
+    for release, ends, steps in ((1, True, 3), (1, False, len(search)), (0, True, 12)):
+        state = sampler.start([[100, 7]], 3, jax.random.key(0))
+        state, ran, _ = sampler.decode_counted(state, None, forced, release=release, ends=ends)
+        paused, done, _ = sampler.flags(state)
+        assert ran == steps, (release, ends)
+        assert done[0] and paused[1] == (steps >= len(search)) and done[2] == (steps == 12)

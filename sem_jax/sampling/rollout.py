@@ -1,13 +1,17 @@
 """The search-aware rollout engine: the host loop around the compiled sampler.
 
 A step's rows (prompt x G) go through a fixed number of decode slots. The device decodes every
-active slot until a row ends or pauses, or for `chunk_steps` tokens at most (so that answers that
-came back are inserted soon). At a boundary the host collects the rows that ended (their slots
+active slot until a row pauses or, while queued rows wait for a slot, ends, or until the step at
+which pending answers are due. At a boundary the host collects the rows that ended (their slots
 free up), sends the queries of rows that paused at `</search>` to the retriever on a thread pool,
-and in ONE batched call appends the result blocks that are ready, ends rows and admits queued rows
-into the free slots (copied from a cache of the step's prompts, each prefilled once at the start,
-whenever its group's rows are admitted). A row that waits for its results holds its slot but not
-the others.
+and in ONE batched call appends the result blocks that are due, ends rows and admits queued rows
+into the free slots
+(copied from a cache of the step's prompts, each prefilled once at the start, whenever its
+group's rows are admitted). A row that waits for its results holds its slot but not the others.
+An answer is due `chunk_steps` decode steps after its query was sent (or sooner, when no slot has
+anything to decode) and is waited for if it is not back by then: the retriever runs beside those
+steps, and the schedule (every call's shapes, and so their float rounding) is a function of the
+rows alone, so a step replays bit for bit whatever the retriever's latency.
 
 `narrow=True`: once the queue is empty, the decode batch halves while the rows that hold slots fit
 in half of it (they move to the first slots, their cache lines with them): a step's tail decodes
@@ -50,7 +54,7 @@ class RolloutConfig:
     max_block_tokens: int          # one search's inserted block at most (passages cut to fit: counted)
     max_note_tokens: int           # the limit note at most
     slots: int = 0                 # decode slots per process; 0: every row of the step
-    chunk_steps: int = 8           # decode steps between host boundaries at most (not with lockstep)
+    chunk_steps: int = 8           # decode steps from a query to its answer's append (retrieval runs beside them)
     lockstep: bool = False         # barriers at pauses and admissions (see the module docstring)
     narrow: bool = False           # continuous, queue empty: halve the decode batch while half its slots are free
     retrieval_threads: int = 4     # host threads that run retriever calls beside decoding
@@ -185,7 +189,7 @@ def rollout(sampler: Sampler, tokenizer, retriever, prompts: Sequence[Sequence[i
     now = time.perf_counter()
     for r in slot_row[slot_row >= 0]:
         rows[r].admitted = now
-    pending: list[tuple[concurrent.futures.Future, list[int]]] = []  # (job, the rows it answers)
+    pending: list[tuple[concurrent.futures.Future, list[int], int]] = []  # (job, the rows it answers, its step)
     asked = np.zeros(slots, bool)  # the slot's paused row has been answered or asked for
     first_fill = slots < n_rows
     narrow = cfg.narrow and not cfg.lockstep and sampler.can_narrow()
@@ -217,17 +221,23 @@ def rollout(sampler: Sampler, tokenizer, retriever, prompts: Sequence[Sequence[i
             if ask:  # this process's rows only: every host searches for its own
                 texts = [response_text(tokenizer, resp[s, :lens[s]]) for s in ask]
                 pending.append((pool.submit(_answer, retriever, protocol, tokenizer, texts, cfg),
-                                [int(slot_row[s]) for s in ask]))
+                                [int(slot_row[s]) for s in ask], stats.decode_steps + cfg.chunk_steps))
                 stats.retriever_calls += 1
             idle = not (~paused & ~done).any() and not resume.any() and not (queue and (slot_row < 0).any())
-            # Lockstep waits for every answer; the continuous engine takes those that are ready and
-            # waits only when no slot has anything to decode.
-            if pending and (cfg.lockstep or (idle and not any(f.done() for f, _ in pending))):
+            # An answer is appended at the decode step fixed when its query was sent, chunk_steps
+            # later (the host waits for it if it is not back by then), or sooner when nothing else
+            # can decode; lockstep appends every answer at its barrier. So the schedule, and with
+            # it every call's shapes (and their float rounding), depends on the rows alone, never
+            # on the retriever's latency: a step replays bit for bit.
+            now = stats.decode_steps
+            if pending and idle and not cfg.lockstep:
+                now = max(now, min(step for *_, step in pending))
+            due = [job for job in pending if cfg.lockstep or job[2] <= now]
+            if not all(f.done() for f, *_ in due):
                 t0 = time.perf_counter()
-                concurrent.futures.wait([f for f, _ in pending],
-                                        return_when="ALL_COMPLETED" if cfg.lockstep else "FIRST_COMPLETED")
+                concurrent.futures.wait([f for f, *_ in due])
                 stats.retrieval_wait_s += time.perf_counter() - t0
-            for job in [p for p in pending if p[0].done()]:
+            for job in due:
                 pending.remove(job)
                 (qs, got, cut, seconds), asked_rows = job[0].result(), job[1]
                 stats.retrieval_s += seconds
@@ -262,9 +272,14 @@ def rollout(sampler: Sampler, tokenizer, retriever, prompts: Sequence[Sequence[i
                 now = time.perf_counter()
                 for _, _, row in admit:
                     rows[row - offset].admitted = now
-            live = bool(queue) or bool(pending) or (slot_row >= 0).any()
-            if not hosts.agree_max(int(live)):
+            # A freed slot matters while rows wait for one (or the batch may narrow); the next
+            # answers' step ends the call. (Agreed between processes: their device calls must match.)
+            live, refilling, negated = hosts.agree_max_each(bool(queue) or bool(pending) or (slot_row >= 0).any(),
+                                                            bool(queue) or narrow,
+                                                            -min([step for *_, step in pending], default=_NEVER))
+            if not live:
                 break
+            due = -negated  # the earliest step at which any process's answers are due
             if narrow and not queue:
                 keep = _narrower(slot_row)
                 if keep is not None:
@@ -272,10 +287,12 @@ def rollout(sampler: Sampler, tokenizer, retriever, prompts: Sequence[Sequence[i
                     slot_row, asked = slot_row[keep], asked[keep]
                     stats.narrowed += 1
             t0 = time.perf_counter()
-            # Continuous: back to the host after chunk_steps, or as soon as a row ends or pauses (a
-            # slot to refill, a query to send: a boundary costs less than a slot left idle).
-            state, steps, busy = sampler.decode_counted(state, None if cfg.lockstep else cfg.chunk_steps, forced,
-                                                        release=0 if cfg.lockstep else 1)
+            # Continuous: back to the host as soon as a row pauses (a query to send) or, while a
+            # freed slot would be used, ends (a boundary costs less than a slot left idle), and at
+            # the next answers' step. Otherwise, as lockstep, to the end.
+            state, steps, busy = sampler.decode_counted(
+                state, None if cfg.lockstep or due == _NEVER else due - stats.decode_steps, forced,
+                release=0 if cfg.lockstep else 1, ends=refilling)
             stats.decode_s += time.perf_counter() - t0
             stats.decode_steps += steps
             stats.slot_steps += steps * len(slot_row) * jax.process_count()
@@ -285,6 +302,9 @@ def rollout(sampler: Sampler, tokenizer, retriever, prompts: Sequence[Sequence[i
         pool.shutdown(wait=True, cancel_futures=True)
     stats.rollout_s = time.perf_counter() - t_start
     return [out[r] for r in range(real)], stats
+
+
+_NEVER = 1 << 30  # no answer pending
 
 
 def _narrower(slot_row: np.ndarray) -> np.ndarray | None:

@@ -441,13 +441,19 @@ def decode_step(model: Qwen2, layers, s: SamplerState, stop_table, eos_ids, *, c
 
 
 def _decode(graphdef, params, layers, state: SamplerState, stop_table, eos_ids, max_steps, script=None,
-            min_active=None, *, cfg: SamplingConfig, window: int) -> tuple[SamplerState, jax.Array]:
-    """Decode until every row is done or paused (or, given `min_active`, until fewer rows than
-    that are active), after `max_steps` steps, or before an active row would read past the first
-    `window` cache slots. Returns the state and `progress` after (with the active row-steps it
-    decoded)."""
+            release=None, *, cfg: SamplingConfig, window: int) -> tuple[SamplerState, jax.Array]:
+    """Decode until every row is done or paused, after `max_steps` steps, before an active row
+    would read past the first `window` cache slots, or, given `release` ([2] int32: a count n and
+    whether ends count), once n of the rows active at the start have paused (or ended, if ends
+    count). Returns the state and `progress` after (with the active row-steps it decoded and the
+    rows that stopped)."""
     model: Qwen2 = nnx.merge(graphdef, params)
     full = state.cache
+    started = state.active
+
+    def stopped(s):  # rows active at the start that now wait for the host
+        ends = jnp.bool_(False) if release is None else release[1] > 0
+        return jnp.sum(started & ~s.active & (s.paused | ends), dtype=jnp.int32)
     # A per-layer cache decodes in a copy of the slots the loop can touch (the window and the
     # slot each step writes), copied back after it: a window sliced out of the whole cache at
     # every step is a copy of its own on XLA:CPU (a strided slice feeds no dot in place).
@@ -460,7 +466,7 @@ def _decode(graphdef, params, layers, state: SamplerState, stop_table, eos_ids, 
     def cond(carry):
         step, _, s = carry
         go = (step < max_steps) & jnp.any(s.active) & ~jnp.any(s.active & (s.cache.lengths > window))
-        return go if min_active is None else go & (jnp.sum(s.active) >= min_active)
+        return go if release is None else go & (stopped(s) < release[0])
 
     def body(carry):
         step, busy, s = carry
@@ -472,16 +478,16 @@ def _decode(graphdef, params, layers, state: SamplerState, stop_table, eos_ids, 
         back = lambda whole, part: tuple(jax.lax.dynamic_update_slice(w, p, (0,) * w.ndim) for w, p in zip(whole, part))
         state = dataclasses.replace(state, cache=KVCache(k=back(full.k, state.cache.k), v=back(full.v, state.cache.v),
                                                          lengths=state.cache.lengths))
-    return state, _progress(state, steps, busy)
+    return state, _progress(state, steps, busy, stopped(state))
 
 
-def _progress(state: SamplerState, steps=0, busy=0) -> jax.Array:
+def _progress(state: SamplerState, steps=0, busy=0, stopped=0) -> jax.Array:
     """[steps, longest active row's cache length (-1: none active), longest live row's, active
-    row-steps decoded, active rows]: what the host needs to pick the next call's attention window, in one small
-    transfer."""
+    row-steps decoded, rows that stopped for the host (`_decode`'s release)]: what the host needs
+    to pick the next call's attention window, in one small transfer."""
     lengths = state.cache.lengths
     return jnp.stack([jnp.int32(steps), jnp.max(jnp.where(state.active, lengths, -1)),
-                      jnp.max(jnp.where(state.done, 0, lengths)), jnp.int32(busy), jnp.sum(state.active, dtype=jnp.int32)])
+                      jnp.max(jnp.where(state.done, 0, lengths)), jnp.int32(busy), jnp.int32(stopped)])
 
 
 # Tokens per pass of an insert: a pass materialises its attention scores, [rows, heads, chunk,
@@ -717,28 +723,29 @@ class Sampler:
         return self.decode_counted(state, max_steps, script)[0]
 
     def decode_counted(self, state: SamplerState, max_steps: int | None = None, script: jax.Array | None = None,
-                       release: int = 0) -> tuple[SamplerState, int, int]:
+                       release: int = 0, ends: bool = True) -> tuple[SamplerState, int, int]:
         """`decode`, with the decode steps it ran and the active row-steps among them (all
         processes'). `release` > 0: stop as soon as that many of the rows active at the start have
-        ended or paused (a slot to refill, a query to send)."""
-        _, top, _, _, now = np.asarray(progress(state)).tolist()
+        paused (a query to send) or, with `ends`, ended (a slot to refill)."""
+        top = int(np.asarray(progress(state))[1])
         left = max_steps or self.max_steps
         steps = busy = 0
-        floor = now - release + 1 if release else None
         while top >= 0 and left > 0:  # a row is active
             window = self._window(state, top + self.window_steps)
             self.calls.record(f"decode@{window}", state.resp)
             with self._on_mesh():
                 state, info = decode_loop(self.graphdef, self.params, self.layers, state, self.stop_table,
                                           self.eos_ids, self.replicated(np.int32(left)), script,
-                                          None if floor is None else self.replicated(np.int32(floor)),
+                                          self.replicated(np.array([release, ends], np.int32)) if release else None,
                                           cfg=self.config, window=window)
-            done, top, _, active, now = np.asarray(info).tolist()
+            done, top, _, active, stopped = np.asarray(info).tolist()
             left -= done
             steps += done
             busy += active
-            if floor is not None and now < floor:
-                break
+            if release:
+                release -= stopped
+                if release <= 0:
+                    break
             if done == 0:  # cannot happen with a window past the longest active row
                 raise RuntimeError(f"decode made no progress: window {window}, longest active row {top}")
         return state, steps, busy
