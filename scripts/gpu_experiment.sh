@@ -40,6 +40,9 @@ export PYTHONPATH="$WORK/site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
 { nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>&1 || true
   $PY -c 'import jax; print("jax", jax.__version__, jax.devices())'; } | tee -a "$LOG"
 left=$(( LIMIT - ($(date +%s) - start) ))
+if [ "$left" -lt 60 ]; then  # (timeout 0 would mean no limit)
+  echo "== ${left}s left of LIMIT=$LIMIT: the next call runs the experiment" | tee -a "$LOG"; exit 0
+fi
 echo "== sem_jax.experiment, $CONFIG, for at most ${left}s ($(date +%T))" | tee -a "$LOG"
 SEM_JAX_REAL_MODEL="$WORK/model" SEM_JAX_REAL_DATA="$WORK/data" \
   timeout --signal=TERM --kill-after=20 "$left" $PY -m sem_jax.experiment --config "$CONFIG" --out "$WORK/experiment" \

@@ -5,18 +5,18 @@ active slot until a row pauses or, while queued rows wait for a slot, ends, or u
 which pending answers are due. At a boundary the host collects the rows that ended (their slots
 free up), sends the queries of rows that paused at `</search>` to the retriever on a thread pool,
 and in ONE batched call appends the result blocks that are due, ends rows and admits queued rows
-into the free slots
-(copied from a cache of the step's prompts, each prefilled once at the start, whenever its
-group's rows are admitted). A row that waits for its results holds its slot but not the others.
-An answer is due `chunk_steps` decode steps after its query was sent (or sooner, when no slot has
-anything to decode) and is waited for if it is not back by then: the retriever runs beside those
-steps, and the schedule (every call's shapes, and so their float rounding) is a function of the
-rows alone, so a step replays bit for bit whatever the retriever's latency.
+into the free slots (copied from a cache of the step's prompts, each prefilled once at the start,
+whenever its group's rows are admitted). A row that waits for its results holds its slot but not
+the others. An answer is due `chunk_steps` decode steps after its query was sent (or sooner, when
+no slot has anything to decode) and is waited for if it is not back by then: the retriever runs
+beside those steps, and the schedule (every call's shapes, and so their float rounding) is a
+function of the rows alone, so a step replays bit for bit whatever the retriever's latency.
 
 `narrow=True`: once the queue is empty, the decode batch halves while the rows that hold slots fit
 in half of it (they move to the first slots, their cache lines with them): a step's tail decodes
-its last rows, not its empty slots. The width a row decodes at then depends on when answers came
-back, and batch widths round differently, so it is off by default (see `sem_jax.settings`).
+its last rows, not its empty slots. The widths follow the schedule, so a narrowed step replays bit
+for bit too; its tail's rows decode at other widths than the rest and round differently, so it is
+off by default (see `sem_jax.settings`).
 
 `lockstep=True` is the same engine with barriers: decoding runs until no row is active, the
 paused rows' queries go to the retriever together and are waited for, and rows are admitted only
@@ -229,10 +229,10 @@ def rollout(sampler: Sampler, tokenizer, retriever, prompts: Sequence[Sequence[i
             # can decode; lockstep appends every answer at its barrier. So the schedule, and with
             # it every call's shapes (and their float rounding), depends on the rows alone, never
             # on the retriever's latency: a step replays bit for bit.
-            now = stats.decode_steps
+            clock = stats.decode_steps
             if pending and idle and not cfg.lockstep:
-                now = max(now, min(step for *_, step in pending))
-            due = [job for job in pending if cfg.lockstep or job[2] <= now]
+                clock = max(clock, min(step for *_, step in pending))
+            due = [job for job in pending if cfg.lockstep or job[2] <= clock]
             if not all(f.done() for f, *_ in due):
                 t0 = time.perf_counter()
                 concurrent.futures.wait([f for f, *_ in due])
@@ -279,7 +279,7 @@ def rollout(sampler: Sampler, tokenizer, retriever, prompts: Sequence[Sequence[i
                                                             -min([step for *_, step in pending], default=_NEVER))
             if not live:
                 break
-            due = -negated  # the earliest step at which any process's answers are due
+            next_due = -negated  # the earliest step at which any process's answers are due
             if narrow and not queue:
                 keep = _narrower(slot_row)
                 if keep is not None:
@@ -291,7 +291,7 @@ def rollout(sampler: Sampler, tokenizer, retriever, prompts: Sequence[Sequence[i
             # freed slot would be used, ends (a boundary costs less than a slot left idle), and at
             # the next answers' step. Otherwise, as lockstep, to the end.
             state, steps, busy = sampler.decode_counted(
-                state, None if cfg.lockstep or due == _NEVER else due - stats.decode_steps, forced,
+                state, None if cfg.lockstep or next_due == _NEVER else next_due - stats.decode_steps, forced,
                 release=0 if cfg.lockstep else 1, ends=refilling)
             stats.decode_s += time.perf_counter() - t0
             stats.decode_steps += steps
