@@ -529,3 +529,27 @@ def test_a_decode_call_returns_at_a_pause_and_at_an_end_only_when_ends_count(qwe
         paused, done, _ = sampler.flags(state)
         assert ran == steps, (release, ends)
         assert done[0] and paused[1] == (steps >= len(search)) and done[2] == (steps == 12)
+
+
+def test_a_row_ended_at_its_search_limit_is_not_served_again(qwen25_tokenizer, retriever):
+    """A row that searches again after the limit note is ended by the host while paused; at the
+    next boundary it is collected, not taken for a new pause (that asked the retriever for slot -1
+    and failed when the answer came due while another row still decoded)."""
+    from policies import Qwen2Config, random_qwen2
+
+    tok = qwen25_tokenizer
+    enc = lambda s: tok.encode(s, add_special_tokens=False)
+    model = random_qwen2(1, Qwen2Config(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_layers=1,
+                                        num_heads=4, num_kv_heads=2, rope_theta=1e6), scale=0.2)
+    sampler = Sampler(model, build_stop_automaton(tok, SEM.stop_strings),
+                      SamplingConfig(max_new_tokens=64, greedy=True, eos_ids=(IM_END,), max_inserted_tokens=160))
+    search = enc("<search> Nile</search>")
+    script = np.full((2, 64), enc(" a")[0], np.int32)
+    script[0, :3 * len(search)] = search * 3   # searches, is refused with the note, searches again
+    script[1, 60] = IM_END                     # decodes on well past row 0's end
+    cfg = RolloutConfig(group_size=2, max_searches=1, top_k=1, max_tokens_per_passage=8, max_block_tokens=40,
+                        max_note_tokens=16, chunk_steps=2)
+    got, stats = rollout(sampler, tok, retriever, [[100, 7]], jax.random.key(0), cfg, script=script)
+    assert [t.end_reason for t in got] == ["search_limit", "eos"]
+    assert [t.num_searches for t in got] == [1, 0] and stats.retriever_calls == 1
+    assert int(got[1].loss_mask.sum()) == 61

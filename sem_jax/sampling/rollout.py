@@ -202,7 +202,8 @@ def rollout(sampler: Sampler, tokenizer, retriever, prompts: Sequence[Sequence[i
             blocks: list[list[int]] = [[] for _ in range(width)]
             end, resume = np.zeros(width, bool), np.zeros(width, bool)
             finished = [s for s in range(width) if slot_row[s] >= 0 and done[s]]
-            new_pauses = np.flatnonzero(paused & ~asked & (slot_row >= 0))
+            # (A row the host ended while it was paused stays paused: it is collected, not served.)
+            new_pauses = np.flatnonzero(paused & ~done & ~asked & (slot_row >= 0))
             resp = sampler.local(state.resp) if finished or len(new_pauses) else None  # one transfer a boundary
             if finished:
                 _collect(sampler, state, resp, lens, tokenizer, finished, slot_row, rows, prompts, g, real, out, stats)
@@ -260,7 +261,7 @@ def rollout(sampler: Sampler, tokenizer, retriever, prompts: Sequence[Sequence[i
                     asked[s] = False
                 stats.admissions += 0 if first_fill else len(admit)
                 first_fill = False
-            asked[end | resume] = False
+            asked[resume] = False
             work = bool(admit) or end.any() or resume.any()
             if hosts.agree_max(int(work)):
                 t0 = time.perf_counter()
