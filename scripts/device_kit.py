@@ -168,12 +168,14 @@ def join_gguf(stage_dir: str, manifest: dict) -> str:
     path = os.path.join(stage_dir, "model.gguf")
     if os.path.exists(path):  # written only once checked
         return path
-    tmp = path + ".tmp"
-    with open(tmp, "wb") as out:
+    tmp, digest = path + ".tmp", hashlib.sha256()
+    with open(tmp, "wb") as out:  # hashed as written: one pass over the 491 MB
         for i in range(manifest["pieces"]):
             with open(os.path.join(stage_dir, PIECE.format(i)), "rb") as f:
-                shutil.copyfileobj(f, out, 1 << 24)
-    got = sha256(tmp)
+                while chunk := f.read(1 << 24):
+                    out.write(chunk)
+                    digest.update(chunk)
+    got = digest.hexdigest()
     if got != manifest["gguf_sha256"]:
         raise SystemExit(f"{tmp}: the joined GGUF hashes to {got[:12]}..., not {manifest['gguf_sha256'][:12]}...")
     os.replace(tmp, path)

@@ -262,8 +262,13 @@ def rollout(sampler: Sampler, tokenizer, retriever, prompts: Sequence[Sequence[i
                 stats.admissions += 0 if first_fill else len(admit)
                 first_fill = False
             asked[resume] = False
-            work = bool(admit) or end.any() or resume.any()
-            if hosts.agree_max(int(work)):
+            # One exchange a boundary (processes' device calls must match): whether any has device
+            # work, rows left, a use for freed slots (rows wait for one, or the batch may narrow),
+            # and the earliest step at which answers are due (it ends the next decode call).
+            work, live, refilling, negated = hosts.agree_max_each(
+                bool(admit) or end.any() or resume.any(), bool(queue) or bool(pending) or (slot_row >= 0).any(),
+                bool(queue) or narrow, -min([step for *_, step in pending], default=_NEVER))
+            if work:
                 t0 = time.perf_counter()
                 state = sampler.refill(state, blocks, end, resume, admit, prompt_kv)
                 jax.block_until_ready(state.resp_len)  # time the appends, not their dispatch
@@ -273,11 +278,6 @@ def rollout(sampler: Sampler, tokenizer, retriever, prompts: Sequence[Sequence[i
                 now = time.perf_counter()
                 for _, _, row in admit:
                     rows[row - offset].admitted = now
-            # A freed slot matters while rows wait for one (or the batch may narrow); the next
-            # answers' step ends the call. (Agreed between processes: their device calls must match.)
-            live, refilling, negated = hosts.agree_max_each(bool(queue) or bool(pending) or (slot_row >= 0).any(),
-                                                            bool(queue) or narrow,
-                                                            -min([step for *_, step in pending], default=_NEVER))
             if not live:
                 break
             next_due = -negated  # the earliest step at which any process's answers are due
