@@ -27,6 +27,7 @@ from sem_jax.data.questions import load_questions
 from sem_jax.errors import Refused
 from sem_jax.hosts import CallLog, batch_shards, local_batch_multiple
 from sem_jax.model import Qwen2, Qwen2Config, from_pretrained
+from sem_jax.model import lora as lora_lib
 from sem_jax.model.hf_io import read_config
 from sem_jax.model.presets import preset
 from sem_jax.model.tokenizer import load_tokenizer, train_bpe_tokenizer
@@ -36,7 +37,7 @@ from sem_jax.rl.trainer import OptimConfig, Trainer
 from sem_jax.sampling import RolloutConfig, Sampler, SamplingConfig, build_stop_automaton
 from sem_jax.rewards.rules import RewardParams, check_sem_params, get_reward
 from sem_jax.settings import Config
-from sem_jax.sharding import make_mesh, named_sharding, tensor_groups
+from sem_jax.sharding import make_mesh, named_sharding, replicated, tensor_groups
 
 
 # -- the config's fields as runtime dataclasses ---------------------------------------------
@@ -234,13 +235,35 @@ def load_policy(config: Config, checkpoint: str | None, step: int | None, hf: st
         raise Refused("give --checkpoint RUN/ckpt or --hf DIR")
     ckpt = Checkpointer(checkpoint, read_only=True)
     model, tokenizer = build_policy(config, None, checkpoint_run_dir(checkpoint), mesh=mesh)
-    _, params = nnx.split(model)
-    params, got = ckpt.restore_params(step, params)
+    got = restore_policy(config, ckpt, step, model)
     # Restored as trained (the checkpoint's dtype), then cast: the sharding stays.
+    _, params = nnx.split(model)
     nnx.update(model, jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, params))
     if jax.process_index() == 0:
         print(f"restored parameters of step {got} from {checkpoint} ({dtype.name})", flush=True)
     return model, tokenizer
+
+
+def restore_policy(config: Config, ckpt: Checkpointer, step: int | None, model: Qwen2) -> int:
+    """Put a checkpoint's policy (`step`, default the latest) into `model`: its parameters, or
+    (a LoRA run) its adapters merged into `model`'s weights, which must be the base they were
+    trained on (refused by fingerprint otherwise). Returns the step restored."""
+    _, params = nnx.split(model)
+    spec = lora_lib.spec_of(config.lora, model.config)
+    if spec is None:
+        params, got = ckpt.restore_params(step, params)
+        nnx.update(model, params)
+        return got
+    like = jax.eval_shape(lambda: lora_lib.init_adapters(spec, model.config))
+    sharding = jax.tree.leaves(params)[0].sharding
+    like = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated(sharding)), like)
+    adapters, got = ckpt.restore_params(step, like)
+    want, have = ckpt.restore_meta(got).get("lora_base"), lora_lib.fingerprint(params)
+    if want != have:
+        raise Refused(f"{ckpt.directory}: step {got}'s adapters were trained on a base with fingerprint {want}, but "
+                      f"model.path={config.model.path} has {have}; point model.path at the base the run trained on")
+    nnx.update(model, lora_lib.merge(spec, params, adapters))
+    return got
 
 
 def build_retriever(config: Config):
@@ -303,7 +326,7 @@ def build_trainer(config: Config, model: Qwen2, s: Settings, mesh: Mesh, *, proc
                   per_layer: bool | None = None, unroll_head: int = 1) -> Trainer:
     return Trainer(model, s.grpo, s.optim, micro_batch=micro_batch(config, processes),
                    logprob_chunk=config.rl.logprob_chunk, per_layer=per_layer, group_size=config.rollout.group_size,
-                   shards=batch_shards(mesh), unroll_head=unroll_head)
+                   shards=batch_shards(mesh), unroll_head=unroll_head, lora=lora_lib.spec_of(config.lora, model.config))
 
 
 # -- a run, built once for its purpose -----------------------------------------------------------

@@ -170,6 +170,10 @@ class Checkpointer:
             params=ocp.args.StandardRestore(abstract_like(params_like))))
         return r.params, step
 
+    def restore_meta(self, step: int) -> dict:
+        """`step`'s metadata alone (its step count, data position, a LoRA run's base fingerprint)."""
+        return dict(self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta)
+
     def check(self) -> None:
         """Raise now if a background save failed (a full disk mid-write, a lost mount), naming the
         directory and its free space, rather than one save interval later."""

@@ -1,9 +1,13 @@
 """Export a sem_jax checkpoint as a Hugging Face model directory.
 
     python -m sem_jax.export --checkpoint runs/gpu/ckpt [--step N] --out exported/ [--dtype bfloat16] [--overwrite]
+    python -m sem_jax.export --checkpoint runs/lora/ckpt --out adapters/ --adapters   # a LoRA run's, for PEFT
 
 Restores parameters only (no optimizer state is read), using the run's resolved
-config.json (written by training beside ckpt/), and writes weights, config,
+config.json (written by training beside ckpt/); a LoRA run's adapters are merged into the base
+they were trained on (its `model.path`), or with --adapters written alone in PEFT's layout
+(`adapter_config.json`, `adapter_model.safetensors`) for `PeftModel.from_pretrained(base, out)`.
+The HF directory holds weights, config,
 generation config, tokenizer files and chat template that `transformers` loads, as a
 new directory renamed into place (a non-empty --out is replaced only with --overwrite).
 On a multi-host run every process gathers each tensor in turn and process 0 writes.
@@ -22,11 +26,13 @@ import jax.numpy as jnp
 from absl import app, flags
 from absl import logging as absl_logging
 from flax import nnx
+from safetensors.numpy import save_file
 
 from sem_jax.checkpoint import Checkpointer, checkpoint_run_dir
 from sem_jax.errors import Refused, exit_on_error
-from sem_jax.assemble import init_model_config
+from sem_jax.assemble import build_policy, init_model_config, restore_policy
 from sem_jax.model import Qwen2, save_pretrained
+from sem_jax.model import lora as lora_lib
 from sem_jax.model.hf_io import read_config
 from sem_jax.model.tokenizer import load_tokenizer, save_tokenizer
 from sem_jax.settings import Config
@@ -41,6 +47,7 @@ def define_flags():
     flags.DEFINE_enum("dtype", "bfloat16", ["bfloat16", "float32", "float16"], "dtype of the written weights")
     flags.DEFINE_string("max_shard_size", "5GB", "split the safetensors above this size")
     flags.DEFINE_bool("overwrite", False, "replace a non-empty --out")
+    flags.DEFINE_bool("adapters", False, "a LoRA run: write its adapters alone, in PEFT's layout")
 
 
 FLAGS = flags.FLAGS
@@ -104,8 +111,9 @@ def write_hf_dir(model: Qwen2, tokenizer, out: str, *, dtype: Any = None, max_sh
 
 
 def export(checkpoint: str, out: str, *, step: int | None = None, dtype: str = "bfloat16",
-           max_shard_size: str = "5GB", overwrite: bool = False) -> int:
-    """Write the HF directory; returns the exported step."""
+           max_shard_size: str = "5GB", overwrite: bool = False, adapters: bool = False) -> int:
+    """Write the HF directory (or, `adapters`, a LoRA run's PEFT adapter directory); returns the
+    exported step."""
     check_out_dir(out, overwrite, sources=[checkpoint_run_dir(checkpoint)])
     ckpt = Checkpointer(checkpoint, read_only=True)  # a mistyped path fails here, before the model is built
     config, run_dir = run_config(checkpoint)
@@ -116,11 +124,42 @@ def export(checkpoint: str, out: str, *, step: int | None = None, dtype: str = "
     else:
         tok_dir = os.path.join(run_dir, "tokenizer")
         model_cfg = init_model_config(config, load_tokenizer(tok_dir))
-    model = nnx.eval_shape(lambda: Qwen2(model_cfg, rngs=nnx.Rngs(0), param_dtype=jnp.dtype(m.dtype)))
-    _, abstract = nnx.split(model)
-    params, got = ckpt.restore_params(step, abstract)
-    nnx.update(model, params)
+    spec = lora_lib.spec_of(config.lora, model_cfg)
+    if adapters:
+        if spec is None:
+            raise Refused(f"{checkpoint}: --adapters exports a LoRA run's adapters; this run fine-tuned every weight "
+                          "(lora.rank=0): export its merged weights without --adapters")
+        return _export_adapters(config, spec, model_cfg, ckpt, step, out)
+    if spec is None:
+        model = nnx.eval_shape(lambda: Qwen2(model_cfg, rngs=nnx.Rngs(0), param_dtype=jnp.dtype(m.dtype)))
+        _, abstract = nnx.split(model)
+        params, got = ckpt.restore_params(step, abstract)
+        nnx.update(model, params)
+    else:  # the base the run trained on, the adapters merged in
+        model, _ = build_policy(config, None, run_dir)
+        got = restore_policy(config, ckpt, step, model)
     write_hf_dir(model, load_tokenizer(tok_dir), out, dtype=dtype, max_shard_size=max_shard_size, overwrite=overwrite)
+    return got
+
+
+def _export_adapters(config: Config, spec: lora_lib.LoraSpec, model_cfg: Any, ckpt: Checkpointer, step: int | None,
+                     out: str) -> int:
+    """A LoRA run's adapters in PEFT's layout at `out`, written beside it and renamed into place."""
+    like = jax.eval_shape(lambda: lora_lib.init_adapters(spec, model_cfg))
+    adapters, got = ckpt.restore_params(step, like)
+    if jax.process_index() != 0:
+        return got
+    out = os.path.abspath(out)
+    tmp = out + ".partial"
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    save_file(lora_lib.peft_tensors(spec, adapters), os.path.join(tmp, "adapter_model.safetensors"),
+              metadata={"format": "pt"})
+    with open(os.path.join(tmp, "adapter_config.json"), "w") as fh:
+        json.dump(lora_lib.peft_config(spec, config.model.path and os.path.abspath(config.model.path)), fh, indent=2)
+    if os.path.exists(out):
+        shutil.rmtree(out)
+    os.rename(tmp, out)
     return got
 
 
@@ -129,7 +168,7 @@ def main(argv):
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     absl_logging.set_verbosity(absl_logging.WARNING)
     got = export(FLAGS.checkpoint, FLAGS.out, step=FLAGS.step, dtype=FLAGS.dtype,
-                 max_shard_size=FLAGS.max_shard_size, overwrite=FLAGS.overwrite)
+                 max_shard_size=FLAGS.max_shard_size, overwrite=FLAGS.overwrite, adapters=FLAGS.adapters)
     print(f"exported step {got} of {FLAGS.checkpoint} to {FLAGS.out} ({FLAGS.dtype})")
 
 

@@ -192,6 +192,18 @@ class Optim:
 
 
 @dataclasses.dataclass(frozen=True)
+class Lora:
+    """Low-rank adapters (`sem_jax.model.lora`) for GRPO and the warm start: the base weights stay
+    frozen and the optimizer holds the adapters alone. rank 0: a full fine-tune."""
+    rank: int = setting(0, why="0: a full fine-tune", **COUNT)
+    alpha: float = setting(32.0, low=0.0, high=BIG, ends="()")  # the adapters' scale is alpha / rank
+    targets: str = "q,k,v,o,gate,up,down"  # projections adapted, comma-separated
+    # The top N layers carry adapters (0: all): the layers below are frozen whole, and the update's
+    # backward pass stops at the lowest adapted layer.
+    layers: int = setting(0, why="0: every layer", **COUNT)
+
+
+@dataclasses.dataclass(frozen=True)
 class SFT:
     """The format warm start, `python -m sem_jax.sft` (sem_jax/traces.py)."""
     traces: int = setting(256, **POSITIVE)      # traces built (questions reused in shuffled rounds)
@@ -292,6 +304,7 @@ class Config:
     reward_params: RewardParams = section(RewardParams)
     rl: RL = section(RL)
     optim: Optim = section(Optim)
+    lora: Lora = section(Lora)
     sft: SFT = section(SFT)
     train: Train = section(Train)
     # The demo's own sections (configs/demo_cpu.py); None in every other config.

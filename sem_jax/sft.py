@@ -36,11 +36,13 @@ from sem_jax.distributed import initialize as initialize_distributed
 from sem_jax.errors import exit_on_error
 from sem_jax.policy_eval import policy_scores, top_reasons
 from sem_jax.export import check_out_dir, write_hf_dir
+from sem_jax.model import lora as lora_lib
 from sem_jax.model.qwen2 import Qwen2
 from sem_jax.rl.loss import GRPOConfig
 from sem_jax.rl.trainer import OptimConfig, Trainer
 from sem_jax.sampling.sampler import bucket_length
 from sem_jax.settings import Config, load
+from sem_jax.sharding import replicate
 from sem_jax.traces import Pair, build_traces
 
 
@@ -123,18 +125,20 @@ def supervised_finetune(model: Qwen2, pairs: Sequence[Pair], *, steps: int, lr: 
                         rows: int = 12, width: int | None = None, seed: int = 0, pad_id: int = 0,
                         log_every: int = 0, micro_batch: int | None = None, weight_decay: float = 0.0,
                         grad_clip: float = 0.0, chunk: int = 128, per_layer: bool | None = None,
-                        mesh: Mesh | None = None) -> list[float]:
+                        mesh: Mesh | None = None, lora: lora_lib.LoraSpec | None = None) -> list[float]:
     """Train `model` in place with AdamW (warmup over a tenth of the steps, cosine decay to 0) on
     `pairs`, packed into `rows` x `width` token batches (width: the longest pair, bucketed, at
     least 256) and split into micro-batches of `micro_batch` rows (default: all); `grad_clip` 0
     does not clip. With `mesh`, batches are sharded over its batch axes, each process giving its
     share of the rows. Returns the loss per step (a step whose loss or gradient is not finite is
-    not applied, and is reported)."""
+    not applied, and is reported). `lora`: train adapters on the frozen weights and merge them
+    into `model` at the end."""
     _, params = nnx.split(model)
+    base = None
     optim = OptimConfig(lr=lr, weight_decay=weight_decay, grad_clip=grad_clip, warmup_steps=max(1, steps // 10),
                         schedule="cosine", total_steps=steps)
     trainer = Trainer(model, GRPOConfig(beta=0.0), optim, micro_batch=micro_batch or rows, logprob_chunk=chunk,
-                          per_layer=per_layer, objective="nll")
+                          per_layer=per_layer, objective="nll", lora=lora)
     if rows % trainer.micro_batch:
         raise ValueError(f"{rows} rows per step do not split into micro-batches of {trainer.micro_batch}")
     longest = max(len(p) + sum(len(s) for s, _ in segs) for p, segs in pairs)
@@ -152,9 +156,15 @@ def supervised_finetune(model: Qwen2, pairs: Sequence[Pair], *, steps: int, lr: 
     losses, skipped, tokens = [], 0, 0
     t0 = time.perf_counter()
     with on_mesh:  # the model's logical sharding constraints apply under the mesh, as in training
+        if lora is not None:
+            base = params
+            params = lora_lib.init_adapters(lora, model.config, seed)
+            if mesh is not None:
+                params = replicate(params, mesh)
         opt_state = trainer.init_opt_state(params)
         for i, batch in enumerate(packed_batches(pairs, steps, rows, width, seed, pad_id)):
-            params, opt_state, m = trainer.update(params, opt_state, {k: place(v) for k, v in batch.items()})
+            params, opt_state, m = trainer.update(params, opt_state, {k: place(v) for k, v in batch.items()},
+                                                  base=base)
             losses.append(float(m["loss"]))
             skipped += int(m["skipped"])
             tokens += int((batch["segment_ids"] > 0).sum())
@@ -165,7 +175,7 @@ def supervised_finetune(model: Qwen2, pairs: Sequence[Pair], *, steps: int, lr: 
                       f"left){f', {skipped} non-finite steps skipped' if skipped else ''}", flush=True)
     if skipped == steps:
         raise FloatingPointError(f"all {steps} warm-start steps had a non-finite loss or gradient; nothing was learnt")
-    nnx.update(model, params)
+    nnx.update(model, params if lora is None else lora_lib.merge(lora, base, params))
     return losses
 
 
@@ -188,7 +198,8 @@ def finetune(config: Config, out: str, *, overwrite: bool = False, dtype: str | 
                                 system_prompt=s.system_prompt, seed=config.seed, decision=f.decision)
     print(f"warm start: {stats.summary()}", flush=True)
     report: dict[str, Any] = {"source": os.path.abspath(config.model.path), "traces": stats.__dict__,
-                              "sft": dataclasses.asdict(f), "system_prompt": s.system_prompt}
+                              "sft": dataclasses.asdict(f), "lora": dataclasses.asdict(config.lora),
+                              "system_prompt": s.system_prompt}
     def score(when: str) -> None:  # as training evaluates: every process its share
         report[when] = policy_scores(run.greedy, tokenizer, retriever, run.eval_set, s.rollout, run.eval_batch,
                                      s.system_prompt, s.protocol, mesh)
@@ -199,7 +210,8 @@ def finetune(config: Config, out: str, *, overwrite: bool = False, dtype: str | 
     losses = supervised_finetune(model, pairs, steps=f.steps, lr=f.lr, rows=f.rows, width=f.width or None,
                                  seed=config.seed, pad_id=run.pad_id, log_every=max(1, f.steps // 10),
                                  micro_batch=f.micro_batch or None, weight_decay=f.weight_decay,
-                                 grad_clip=f.grad_clip, chunk=config.rl.logprob_chunk, mesh=mesh)
+                                 grad_clip=f.grad_clip, chunk=config.rl.logprob_chunk, mesh=mesh,
+                                 lora=lora_lib.spec_of(config.lora, model.config))
     report.update(losses=[round(x, 5) for x in losses], train_seconds=round(time.perf_counter() - t_train, 1))
     if f.eval:
         run.greedy.set_params(nnx.split(model)[1])

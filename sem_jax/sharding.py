@@ -159,6 +159,16 @@ def put(x, sharding: NamedSharding) -> jax.Array:
     return jax.make_array_from_callback(value.shape, sharding, lambda index: value[index])
 
 
+def replicated(sharding):
+    """A sharding that holds the whole array on every device `sharding` spans."""
+    return NamedSharding(sharding.mesh, PartitionSpec()) if isinstance(sharding, NamedSharding) else sharding
+
+
+def replicate(tree, mesh: Mesh):
+    """Every array of `tree` whole on every device of `mesh` (small state: LoRA's adapters)."""
+    return jax.tree.map(lambda x: put(x, NamedSharding(mesh, jax.sharding.PartitionSpec())), tree)
+
+
 def shard_params(state, mesh: Mesh):
     """Place every parameter (an nnx Variable with `axes` metadata) into its sharding."""
     from flax import nnx

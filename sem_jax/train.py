@@ -35,11 +35,12 @@ from sem_jax.config import one_line_config_errors, parse_flags
 from sem_jax.data.example import Example
 from sem_jax.distributed import initialize as initialize_distributed
 from sem_jax.distributed import started as distributed_started
-from sem_jax.errors import exit_on_error
+from sem_jax.errors import Refused, exit_on_error
 from sem_jax.policy_eval import RECORD_KEYS, aggregate, policy_scores, score_trajectory, top_reasons
 from sem_jax.hosts import agree_max, check_shared_dir, gather_json, to_global
 from sem_jax.metrics import MetricWriter
 from sem_jax.model import Qwen2Config
+from sem_jax.model import lora as lora_lib
 from sem_jax.rl.advantages import group_advantages, tied_groups
 from sem_jax.rl.batch import batch_width, build_batch, response_width
 from sem_jax.rl.trainer import learning_rate
@@ -48,7 +49,7 @@ from sem_jax.sampling import RolloutStats, Trajectory, rollout
 from sem_jax.sampling.sampler import compute_weights
 from sem_jax.rewards.rules import CASES
 from sem_jax.settings import Config, load
-from sem_jax.sharding import shard_params
+from sem_jax.sharding import replicate, shard_params
 
 DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "cpu.py")
 
@@ -73,12 +74,15 @@ def step_flops(model_cfg: Qwen2Config, rollout_tokens: int, train_tokens: int, r
 
 @dataclasses.dataclass
 class TrainState:
-    """The arrays and counters a checkpoint holds (the reference is rebuilt from the start)."""
-    params: Any
+    """The arrays and counters a checkpoint holds (the reference and a LoRA base are rebuilt from
+    the start)."""
+    params: Any                     # the policy's weights; with LoRA its adapters
     opt_state: Any
-    ref_params: Any                 # None when rl.beta == 0
+    ref_params: Any                 # None when rl.beta == 0; with LoRA the base itself
     step: int = 0
     skipped_total: int = 0          # updates not applied (non-finite loss or gradients)
+    base: Any = None                # LoRA: the frozen weights the adapters adapt
+    base_id: str | None = None      # LoRA: the base's `lora.fingerprint`, recorded in each checkpoint
 
 
 @dataclasses.dataclass
@@ -99,17 +103,39 @@ def initial_state(run: Run, ckpt: Checkpointer) -> TrainState:
     with jax.set_mesh(run.mesh):
         _, params = nnx.split(run.model)
         params = shard_params(params, run.mesh)
-        # The frozen reference is the initial policy (rebuilt identically on resume), in the compute
-        # dtype: every use casts a weight to it first, so the same log-probs from half the memory.
-        ref_params = reference_weights(params, run.model.dtype) if run.settings.grpo.beta > 0 else None
-        opt_state = run.trainer.init_opt_state(params)
-    state = TrainState(params, opt_state, ref_params)
-    restored = ckpt.restore_newest(params, opt_state)
+        beta = run.settings.grpo.beta > 0
+        spec = run.trainer.lora
+        if spec is not None:  # the base is frozen: it is the reference too, no copy
+            base = params
+            params = replicate(lora_lib.init_adapters(spec, run.model_config, run.config.seed), run.mesh)
+            state = TrainState(params, run.trainer.init_opt_state(params), base if beta else None, base=base,
+                               base_id=lora_lib.fingerprint(base))
+            print(f"{spec.describe()}: {sum(x.size for x in jax.tree.leaves(params)):,} trained parameters",
+                  flush=True)
+        else:
+            # The frozen reference is the initial policy (rebuilt identically on resume), in the compute
+            # dtype: every use casts a weight to it first, so the same log-probs from half the memory.
+            ref_params = reference_weights(params, run.model.dtype) if beta else None
+            state = TrainState(params, run.trainer.init_opt_state(params), ref_params)
+    restored = ckpt.restore_newest(state.params, state.opt_state)
     if restored is not None:
         _, state.params, state.opt_state, meta = restored
+        check_base(meta, state.base_id, run.config.model.path, ckpt.directory)
         state.step, state.skipped_total = meta["step"], meta["skipped_total"]
         print(f"resumed from step {state.step} ({ckpt.directory})", flush=True)
     return state
+
+
+def check_base(meta: dict, base_id: str | None, model_path: str | None, where: str) -> None:
+    """Refuse LoRA adapters restored onto another base than the one they were trained on."""
+    if meta.get("lora_base") != base_id:
+        raise Refused(f"{where}: its adapters were trained on a base with fingerprint {meta.get('lora_base')}, but "
+                      f"model.path={model_path} has {base_id}; point model.path at the base the run trained on")
+
+
+def policy_weights(state: TrainState, spec: lora_lib.LoraSpec | None) -> Any:
+    """The policy's whole weights: the parameters, or the base with the adapters merged in."""
+    return state.params if spec is None else lora_lib.merge(spec, state.base, state.params)
 
 
 def reference_weights(params: Any, dtype: Any) -> Any:
@@ -135,7 +161,7 @@ def rollout_and_score(run: Run, state: TrainState, examples: list[Example]) -> S
     """G trajectories per question, their rewards and group-relative advantages."""
     s, c = run.settings, run.config
     prompts = [s.protocol.encode_prompt(run.tokenizer, e, s.system_prompt) for e in examples]
-    run.sampler.set_params(state.params)
+    run.sampler.set_params(policy_weights(state, run.trainer.lora))
     with jax.set_mesh(run.mesh):
         t0 = time.perf_counter()
         trajs, stats = rollout(run.sampler, run.tokenizer, run.retriever, prompts,
@@ -169,7 +195,8 @@ def update(run: Run, state: TrainState, scored: Scored) -> tuple[dict, dict[str,
             ref_lp.block_until_ready()
         t_ref = time.perf_counter() - t0
         t0 = time.perf_counter()
-        state.params, state.opt_state, m = run.trainer.update(state.params, state.opt_state, batch, ref_lp)
+        state.params, state.opt_state, m = run.trainer.update(state.params, state.opt_state, batch, ref_lp,
+                                                              base=state.base)
         m = jax.device_get(m)
     times = {"time/reference": t_ref, "time/update": time.perf_counter() - t0}
     return m, host, times
@@ -210,7 +237,7 @@ def step_metrics(run: Run, state: TrainState, scored: Scored, m: dict, host: dic
 
 def evaluate_policy(run: Run, state: TrainState) -> dict[str, float]:
     """Greedy evaluation on the held-out questions, every process its share."""
-    run.greedy.set_params(state.params)
+    run.greedy.set_params(policy_weights(state, run.trainer.lora))
     s = run.settings
     scores = policy_scores(run.greedy, run.tokenizer, run.retriever, run.eval_set, s.rollout, run.eval_batch,
                            s.system_prompt, s.protocol, run.mesh)
@@ -266,7 +293,8 @@ class StopSignals:
 def save(run: Run, ckpt: Checkpointer, state: TrainState) -> None:
     ckpt.save(state.step, state.params, state.opt_state,
               {"step": state.step, "data_position": state.step * run.config.data.prompts_per_step,
-               "skipped_total": state.skipped_total, "seed": run.config.seed})
+               "skipped_total": state.skipped_total, "seed": run.config.seed,
+               **({"lora_base": state.base_id} if state.base_id else {})})
 
 
 # -- the loop ----------------------------------------------------------------------------

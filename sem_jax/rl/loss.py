@@ -27,8 +27,8 @@ class GRPOConfig:
 
 def token_logprobs(model: Qwen2, inputs: jax.Array, targets: jax.Array, chunk: int = 128,
                    segment_ids: jax.Array | None = None, per_layer: bool = False,
-                   start: jax.Array | None = None, group: int = 1,
-                   unroll_head: int = 1) -> tuple[jax.Array, jax.Array]:
+                   start: jax.Array | None = None, group: int = 1, unroll_head: int = 1,
+                   layers: list[dict[str, jax.Array]] | None = None) -> tuple[jax.Array, jax.Array]:
     """log p(target | inputs up to its position) and entropy, float32 in the shape of `targets`,
     without ever holding [B, T, V].
 
@@ -48,8 +48,11 @@ def token_logprobs(model: Qwen2, inputs: jax.Array, targets: jax.Array, chunk: i
 
     `unroll_head`: chunks per iteration of the loop over them (the same values): XLA's cost
     analysis counts a loop's body once, so `sem_jax.roofline` compiles 1 and 2.
+
+    `layers`: the per-layer weights to run (as `per_layer`, but given: LoRA's adapted layers).
     """
-    layers = model.layer_list() if per_layer else None
+    if layers is None and per_layer:
+        layers = model.layer_list()
     if start is None:
         if group != 1:
             raise ValueError("token_logprobs(group=...) shares the prefix before each row's window: pass start")

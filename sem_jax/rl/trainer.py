@@ -13,11 +13,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec
 
 from sem_jax.kernels.dispatch import per_layer_default
+from sem_jax.model import lora as lora_lib
 from sem_jax.rl.loss import GRPOConfig, grpo_loss, token_logprobs
-from sem_jax.sharding import put
+from sem_jax.sharding import put, replicated
 
 # What `token_logprobs` reads from a batch; "start" (a response window per row, `build_batch`) and
 # "segment_ids" (packed supervised rows, `sft.pack`) are optional.
@@ -90,14 +90,21 @@ class Trainer:
     `objective="nll"`: the mean negative log-likelihood of the masked targets instead of GRPO's
     loss (no advantages, old or sampler log-probs), with the same micro-batching, optimizer and
     guard: the supervised warm start (`sem_jax.sft`), on the same meshes as training.
+
+    `lora`: the trained parameters are the adapters (`sem_jax.model.lora`), the base weights a
+    frozen argument of `update` (`base=`), never donated or updated. With per-layer weights the
+    layers below the lowest adapted one are built from the base alone, so the backward pass
+    stops there; under the layer scan the adapters are merged into the stacked kernels (exact
+    gradients, the backward through every layer).
     """
 
     def __init__(self, model: Any, grpo: GRPOConfig, optim: OptimConfig, *, micro_batch: int,
                  logprob_chunk: int = 128, per_layer: bool | None = None, group_size: int = 1, shards: int = 1,
-                 objective: str = "grpo", unroll_head: int = 1):
+                 objective: str = "grpo", unroll_head: int = 1, lora: lora_lib.LoraSpec | None = None):
         if objective not in OBJECTIVES:
             raise ValueError(f"objective={objective!r}; choose one of {OBJECTIVES}")
         self.objective = objective
+        self.lora = lora
         self.unroll_head = unroll_head  # see token_logprobs: for XLA's cost analysis only
         self.graphdef, _ = nnx.split(model)
         self.grpo, self.micro_batch, self.chunk = grpo, micro_batch, logprob_chunk
@@ -113,28 +120,35 @@ class Trainer:
         """Optimizer state placed as `update` returns it: optax makes the step count an
         uncommitted scalar, and a committed one at step 2 would compile the update again."""
         state = self.tx.init(params)
-        sharding = jax.tree.leaves(params)[0].sharding
-        replicated = (NamedSharding(sharding.mesh, PartitionSpec()) if isinstance(sharding, NamedSharding)
-                      else sharding)
-        return jax.tree.map(lambda x: x if getattr(x, "committed", True) else put(x, replicated), state)
+        whole = replicated(jax.tree.leaves(params)[0].sharding)
+        return jax.tree.map(lambda x: x if getattr(x, "committed", True) else put(x, whole), state)
 
     # -- pure functions -----------------------------------------------------------------
 
     def _logprobs(self, params, batch):
         def one(mb):
-            return self._token_logprobs(params, mb)[0]
+            return self._token_logprobs(params, None, mb)[0]
         mbs = _micro({k: batch[k] for k in LOGPROB_KEYS if k in batch}, self.micro_batch, self.share)
         return _unmicro(jax.lax.map(one, mbs), self.share)
 
-    def _token_logprobs(self, params, mb):
+    def _token_logprobs(self, params, adapters, mb):
+        """Log-probs under `params` (a whole parameter state), plus `adapters` when given."""
+        layers = None
+        if adapters is not None and not self.per_layer:
+            params = lora_lib.merge(self.lora, params, adapters)
+        model = nnx.merge(self.graphdef, params)
+        if self.per_layer:
+            layers = model.layer_list()
+            if adapters is not None:
+                layers = lora_lib.layer_weights(self.lora, layers, adapters)
         start = mb.get("start")
-        return token_logprobs(nnx.merge(self.graphdef, params), mb["inputs"], mb["targets"], self.chunk,
-                              segment_ids=mb.get("segment_ids"), per_layer=self.per_layer, start=start,
-                              group=1 if start is None else self.share, unroll_head=self.unroll_head)
+        return token_logprobs(model, mb["inputs"], mb["targets"], self.chunk, segment_ids=mb.get("segment_ids"),
+                              layers=layers, start=start, group=1 if start is None else self.share,
+                              unroll_head=self.unroll_head)
 
-    def _update(self, params, opt_state, batch, ref_logprobs):
+    def _update(self, params, opt_state, batch, ref_logprobs, base=None):
         def loss_fn(p, mb):
-            lp, ent = self._token_logprobs(p, mb)
+            lp, ent = self._token_logprobs(p, None, mb) if self.lora is None else self._token_logprobs(base, p, mb)
             m = mb["mask"]
             if self.objective == "nll":  # token mean over the whole batch, as one big batch would give
                 zero = jnp.float32(0)
@@ -188,7 +202,10 @@ class Trainer:
         self.ref_passes += 1
         return self.logprobs(ref_params, batch)
 
-    def update(self, params, opt_state, batch: dict[str, Any], ref_logprobs=None):
-        """One optimizer step over all micro-batches. Donates params and opt_state."""
+    def update(self, params, opt_state, batch: dict[str, Any], ref_logprobs=None, base=None):
+        """One optimizer step over all micro-batches. Donates params and opt_state. With `lora`,
+        `params` are the adapters and `base` the frozen weights they adapt."""
+        if (self.lora is None) != (base is None):
+            raise ValueError("a LoRA trainer updates adapters on a base (base=...); a full fine-tune takes no base")
         keys = (*LOGPROB_KEYS, "mask", "advantages", "sampler_logprobs", "old_logprobs")  # those it has
-        return self.update_fn(params, opt_state, {k: batch[k] for k in keys if k in batch}, ref_logprobs)
+        return self.update_fn(params, opt_state, {k: batch[k] for k in keys if k in batch}, ref_logprobs, base)
