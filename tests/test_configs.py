@@ -41,11 +41,15 @@ def test_configs():
     assert qwen3.model.preset == "qwen3-1.7b" and qwen3.model.path.endswith("Qwen3-1.7B") and qwen3.run_dir != gpu.run_dir
     with pytest.raises(ValueError, match="choose one of"):
         _load("gpu", "qwen3-32b")
-    for variant in ("gpu", "smoke"):  # the experiment: its own section, which its stages strip
+    for variant in ("gpu", "cpu", "smoke"):  # the experiment: its own section, which its stages strip
         exp = load(_load("real_experiment", variant))
         assert exp.experiment is not None and exp.sft.decision == "random" and exp.model.path.endswith("instruct")
         assert runtime(exp.replace(experiment=None)).reward is sem_reward
     assert load(_load("real_experiment", "smoke")).train.total_steps == 1 < load(_load("real_experiment")).train.total_steps
+    cpu = load(_load("real_experiment", "cpu"))  # the floor: 20 steps of 16 rows, 48 questions a data set
+    assert cpu.train.total_steps >= 20 and cpu.data.prompts_per_step * cpu.rollout.group_size >= 16
+    assert min(cpu.experiment.mmlu_eval, cpu.experiment.gsm8k_eval, cpu.experiment.multihop_eval) >= 48
+    assert cpu.lora.rank and load(_load("real_experiment", "smoke")).lora.rank and not load(_load("real_experiment")).lora.rank
     with pytest.raises(ValueError, match="choose one of"):
         _load("tpu_v4", "70b")
     real = _load("real_cpu")  # the real-checkpoint check: paper recipe at a CPU's sizes, no reference copy
