@@ -39,7 +39,7 @@ def pytest_configure(config):
 # workers should take them up: whole files go to whichever worker is free (--dist loadfile), and
 # longest first leaves no worker running one long file alone at the end.
 LONG_FILES = ("test_train.py", "test_demo.py", "test_data_eval_export.py", "test_scale.py", "test_qwen3_pipeline.py",
-              "test_grpo.py", "test_faults.py", "test_sft.py")
+              "test_grpo.py", "test_lora.py", "test_faults.py", "test_sft.py")
 
 
 def pytest_collection_modifyitems(config, items):

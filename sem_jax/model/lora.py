@@ -137,25 +137,25 @@ _MERGE_FNS: dict[LoraSpec, Any] = {}  # one compiled merge per spec
 
 
 def fingerprint(params: Any) -> str:
-    """A short hash of a parameter state's values: each array's shape, dtype and three sums in
-    float32 (plain, squares, position-weighted), computed where the arrays live (any mesh,
-    any number of processes: the sums are replicated scalars). Two bases that differ anywhere
-    differ here, but for sums that cancel exactly."""
+    """A short hash of a parameter state's values: each array's name, shape and dtype, and two sums
+    of its bits read as 32-bit integers (plain and position-weighted, modulo 2^32). Integer sums do
+    not depend on the order of the reduction, so any mesh and any number of processes give the same
+    fingerprint; two bases that differ anywhere differ here but for sums that wrap alike."""
     leaves = jax.tree_util.tree_leaves_with_path(params)
-    sums = _sums([x for _, x in leaves])
+    sums = np.asarray(jax.device_get(_sums([x for _, x in leaves])))
     h = hashlib.sha256()
-    for (path, x), s in zip(leaves, np.asarray(jax.device_get(sums))):
+    for (path, x), s in zip(leaves, sums):
         h.update(f"{jax.tree_util.keystr(path)}{tuple(x.shape)}{x.dtype}".encode())
-        h.update(np.asarray(s, np.float32).tobytes())
+        h.update(s.tobytes())
     return h.hexdigest()[:16]
 
 
 @jax.jit
 def _sums(leaves):
     def one(x):
-        x = x.astype(jnp.float32).ravel()
-        w = (jnp.arange(x.shape[0], dtype=jnp.int32) % 251).astype(jnp.float32)
-        return jnp.stack([jnp.sum(x), jnp.sum(x * x), jnp.sum(x * w)])
+        bits = jax.lax.bitcast_convert_type(x.astype(jnp.float32).ravel(), jnp.uint32)
+        w = (jnp.arange(bits.shape[0], dtype=jnp.uint32) % 251) + 1
+        return jnp.stack([jnp.sum(bits, dtype=jnp.uint32), jnp.sum(bits * w, dtype=jnp.uint32)])
     return jnp.stack([one(x) for x in leaves])
 
 
