@@ -91,7 +91,7 @@ def get_config(variant: str = "gpu"):
         c.rl.beta = 0.0
         c.optim.lr = 1e-4
         c.optim.warmup_steps = 2
-        c.sft.update(traces=192, steps=24, rows=4, width=512, lr=2e-4, eval=False)
+        c.sft.update(traces=192, steps=24, rows=2, width=1024, lr=2e-4, eval=False)  # a prompt, a search, an answer
         c.train.total_steps = 20
         c.train.eval_every = 0
         c.train.eval_at_start = False

@@ -258,10 +258,8 @@ def restore_policy(config: Config, ckpt: Checkpointer, step: int | None, model: 
     sharding = jax.tree.leaves(params)[0].sharding
     like = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated(sharding)), like)
     adapters, got = ckpt.restore_params(step, like)
-    want, have = ckpt.restore_meta(got).get("lora_base"), lora_lib.fingerprint(params)
-    if want != have:
-        raise Refused(f"{ckpt.directory}: step {got}'s adapters were trained on a base with fingerprint {want}, but "
-                      f"model.path={config.model.path} has {have}; point model.path at the base the run trained on")
+    lora_lib.check_base(ckpt.restore_meta(got).get("lora_base"), lora_lib.fingerprint(params), config.model.path,
+                        f"{ckpt.directory} step {got}")
     nnx.update(model, lora_lib.merge(spec, params, adapters))
     return got
 

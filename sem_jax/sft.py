@@ -121,6 +121,22 @@ def packed_batches(pairs: Sequence[Pair], steps: int, rows: int, width: int, see
                for k, v in batch.items()}
 
 
+def fitting_pairs(pairs: Sequence[Pair], width: int | None) -> list[Pair]:
+    """The traces that fit a packed row of `width` (+ 1: inputs and targets are shifted), all when
+    `width` is None; those that do not are counted and reported, and refused when none is left
+    (found before the first step, not when the packing reaches a long one)."""
+    size = lambda pair: len(pair[0]) + sum(len(s) for s, _ in pair[1])
+    keep = [pair for pair in pairs if width is None or size(pair) <= width + 1]
+    if len(keep) < len(pairs):
+        longest = max(size(pair) for pair in pairs)
+        if not keep:
+            raise ValueError(f"no warm-start trace fits a packed row of sft.width={width} (the longest has {longest} "
+                             "tokens): raise sft.width")
+        print(f"warm start: skipped {len(pairs) - len(keep)} of {len(pairs)} traces longer than sft.width={width} "
+              f"(the longest has {longest} tokens)", flush=True)
+    return keep
+
+
 def supervised_finetune(model: Qwen2, pairs: Sequence[Pair], *, steps: int, lr: float = 3e-3,
                         rows: int = 12, width: int | None = None, seed: int = 0, pad_id: int = 0,
                         log_every: int = 0, micro_batch: int | None = None, weight_decay: float = 0.0,
@@ -141,6 +157,7 @@ def supervised_finetune(model: Qwen2, pairs: Sequence[Pair], *, steps: int, lr: 
                           per_layer=per_layer, objective="nll", lora=lora)
     if rows % trainer.micro_batch:
         raise ValueError(f"{rows} rows per step do not split into micro-batches of {trainer.micro_batch}")
+    pairs = fitting_pairs(pairs, width)
     longest = max(len(p) + sum(len(s) for s, _ in segs) for p, segs in pairs)
     width = width or max(256, bucket_length(longest - 1, minimum=16))
     nproc, pid = jax.process_count(), jax.process_index()

@@ -35,7 +35,7 @@ from sem_jax.config import one_line_config_errors, parse_flags
 from sem_jax.data.example import Example
 from sem_jax.distributed import initialize as initialize_distributed
 from sem_jax.distributed import started as distributed_started
-from sem_jax.errors import Refused, exit_on_error
+from sem_jax.errors import exit_on_error
 from sem_jax.policy_eval import RECORD_KEYS, aggregate, policy_scores, score_trajectory, top_reasons
 from sem_jax.hosts import agree_max, check_shared_dir, gather_json, to_global
 from sem_jax.metrics import MetricWriter
@@ -120,17 +120,10 @@ def initial_state(run: Run, ckpt: Checkpointer) -> TrainState:
     restored = ckpt.restore_newest(state.params, state.opt_state)
     if restored is not None:
         _, state.params, state.opt_state, meta = restored
-        check_base(meta, state.base_id, run.config.model.path, ckpt.directory)
+        lora_lib.check_base(meta.get("lora_base"), state.base_id, run.config.model.path, ckpt.directory)
         state.step, state.skipped_total = meta["step"], meta["skipped_total"]
         print(f"resumed from step {state.step} ({ckpt.directory})", flush=True)
     return state
-
-
-def check_base(meta: dict, base_id: str | None, model_path: str | None, where: str) -> None:
-    """Refuse LoRA adapters restored onto another base than the one they were trained on."""
-    if meta.get("lora_base") != base_id:
-        raise Refused(f"{where}: its adapters were trained on a base with fingerprint {meta.get('lora_base')}, but "
-                      f"model.path={model_path} has {base_id}; point model.path at the base the run trained on")
 
 
 def policy_weights(state: TrainState, spec: lora_lib.LoraSpec | None) -> Any:

@@ -198,3 +198,13 @@ def test_write_hf_dir_replaces_a_whole_directory(tiny_dir, tmp_path):
     reloaded = from_pretrained(str(out))
     same = jax.tree.map(lambda a, b: bool(jnp.all(a == b)), nnx.state(model), nnx.state(reloaded))
     assert all(jax.tree.leaves(same))
+
+
+def test_traces_longer_than_the_packed_row_are_skipped_and_reported_before_training(capsys):
+    from sem_jax.sft import fitting_pairs
+    pairs = [([1] * 5, [([2] * 4, True)]), ([1] * 9, [([2] * 8, True)]), ([1] * 3, [([2] * 3, True)])]
+    assert fitting_pairs(pairs, None) == pairs
+    assert fitting_pairs(pairs, 9) == [pairs[0], pairs[2]]  # 9 + 1 tokens fit a row of 9 (shifted by one)
+    assert "skipped 1 of 3 traces longer than sft.width=9 (the longest has 17 tokens)" in capsys.readouterr().out
+    with pytest.raises(ValueError, match="no warm-start trace fits a packed row of sft.width=4"):
+        fitting_pairs(pairs, 4)

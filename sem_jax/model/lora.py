@@ -159,6 +159,13 @@ def _sums(leaves):
     return jnp.stack([one(x) for x in leaves])
 
 
+def check_base(recorded: str | None, have: str | None, model_path: str | None, where: str) -> None:
+    """Refuse adapters (a checkpoint's, fingerprint `recorded`) on a base other than theirs."""
+    if recorded != have:
+        raise Refused(f"{where}: its adapters were trained on a base with fingerprint {recorded}, but "
+                      f"model.path={model_path} has {have}; point model.path at the base the run trained on")
+
+
 def peft_tensors(spec: LoraSpec, adapters: dict) -> dict[str, np.ndarray]:
     """The adapters under PEFT's names and layout for a Qwen2 causal LM (torch's [out, in]):
     `base_model.model.model.layers.{i}.{module}.lora_A.weight` [rank, in] and `lora_B.weight`
@@ -182,5 +189,5 @@ def peft_config(spec: LoraSpec, base_path: str | None) -> dict[str, Any]:
             "init_lora_weights": True, "base_model_name_or_path": base_path, "inference_mode": True}
 
 
-__all__ = ["LoraSpec", "TARGETS", "delta", "fingerprint", "init_adapters", "layer_weights",
+__all__ = ["LoraSpec", "TARGETS", "check_base", "delta", "fingerprint", "init_adapters", "layer_weights",
            "matrix_dims", "merge", "peft_config", "peft_tensors", "spec_of"]
