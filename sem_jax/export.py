@@ -37,6 +37,7 @@ from sem_jax.model.hf_io import read_config
 from sem_jax.model.tokenizer import load_tokenizer, save_tokenizer
 from sem_jax.settings import Config
 from sem_jax.settings import run_config as settings_of_run
+from sem_jax.whole_dir import scratch_beside, swap_into_place
 
 
 def define_flags():
@@ -88,36 +89,32 @@ def write_hf_dir(model: Qwen2, tokenizer, out: str, *, dtype: Any = None, max_sh
     JSON files to add (name -> object). On a multi-host run every process takes part in the
     gathers and process 0 writes."""
     check_out_dir(out, overwrite)
-    out = os.path.abspath(out)
-    tmp = out + ".partial"
     main = jax.process_index() == 0
-    if main and os.path.exists(tmp):
-        shutil.rmtree(tmp)
-    save_pretrained(model, tmp, dtype=None if dtype is None else jnp.dtype(dtype), max_shard_size=max_shard_size)
-    if not main:
-        return
-    save_tokenizer(tokenizer, tmp)
-    for name, obj in (extra or {}).items():
-        with open(os.path.join(tmp, name), "w") as fh:
-            json.dump(obj, fh, indent=2)
-    if os.path.exists(out):
-        old = out + ".old"
-        shutil.rmtree(old, ignore_errors=True)
-        os.rename(out, old)
-        os.rename(tmp, out)
-        shutil.rmtree(old)
-    else:
-        os.rename(tmp, out)
+    tmp = scratch_beside(out) if main else out  # other processes gather the tensors, write nothing
+    try:
+        save_pretrained(model, tmp, dtype=None if dtype is None else jnp.dtype(dtype), max_shard_size=max_shard_size)
+        if not main:
+            return
+        save_tokenizer(tokenizer, tmp)
+        for name, obj in (extra or {}).items():
+            with open(os.path.join(tmp, name), "w") as fh:
+                json.dump(obj, fh, indent=2)
+        swap_into_place(tmp, out)
+    except BaseException:
+        if main:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
 
 
 def export(checkpoint: str, out: str, *, step: int | None = None, dtype: str = "bfloat16",
            max_shard_size: str = "5GB", overwrite: bool = False, adapters: bool = False) -> int:
     """Write the HF directory (or, `adapters`, a LoRA run's PEFT adapter directory); returns the
     exported step."""
-    check_out_dir(out, overwrite, sources=[checkpoint_run_dir(checkpoint)])
     ckpt = Checkpointer(checkpoint, read_only=True)  # a mistyped path fails here, before the model is built
     config, run_dir = run_config(checkpoint)
     m = config.model
+    # Neither the run nor the base model and tokenizer it reads may be replaced, --overwrite or not.
+    check_out_dir(out, overwrite, sources=[run_dir] + [p for p in (m.path, m.tokenizer) if p])
     if m.path:
         model_cfg = read_config(m.path)
         tok_dir = m.tokenizer or m.path
@@ -149,17 +146,17 @@ def _export_adapters(config: Config, spec: lora_lib.LoraSpec, model_cfg: Any, ck
     adapters, got = ckpt.restore_params(step, like)
     if jax.process_index() != 0:
         return got
-    out = os.path.abspath(out)
-    tmp = out + ".partial"
-    shutil.rmtree(tmp, ignore_errors=True)
-    os.makedirs(tmp)
-    save_file(lora_lib.peft_tensors(spec, adapters), os.path.join(tmp, "adapter_model.safetensors"),
-              metadata={"format": "pt"})
-    with open(os.path.join(tmp, "adapter_config.json"), "w") as fh:
-        json.dump(lora_lib.peft_config(spec, config.model.path and os.path.abspath(config.model.path)), fh, indent=2)
-    if os.path.exists(out):
-        shutil.rmtree(out)
-    os.rename(tmp, out)
+    tmp = scratch_beside(out)
+    try:
+        save_file(lora_lib.peft_tensors(spec, adapters), os.path.join(tmp, "adapter_model.safetensors"),
+                  metadata={"format": "pt"})
+        with open(os.path.join(tmp, "adapter_config.json"), "w") as fh:
+            json.dump(lora_lib.peft_config(spec, config.model.path and os.path.abspath(config.model.path)), fh,
+                      indent=2)
+        swap_into_place(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     return got
 
 

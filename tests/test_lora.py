@@ -296,3 +296,11 @@ def test_restoring_adapters_onto_another_base_is_refused(lora_run):
     other = new_model(cfg, read_config(cfg.model.path), jnp.float32, seed=3)
     with pytest.raises(Refused, match="fingerprint"):
         restore_policy(cfg, Checkpointer(os.path.join(lora_run, "ckpt"), read_only=True), None, other)
+
+
+def test_export_never_replaces_the_base_model_it_reads(lora_run, warm_model):
+    from sem_jax.export import export
+    before = {p.name: p.stat().st_mtime_ns for p in warm_model.iterdir()}
+    with pytest.raises(Refused, match=f"is {warm_model}, which this job reads"):
+        export(os.path.join(lora_run, "ckpt"), str(warm_model), overwrite=True)
+    assert {p.name: p.stat().st_mtime_ns for p in warm_model.iterdir()} == before

@@ -81,7 +81,7 @@ def test_build_index_script(corpus_file, tmp_path):
                                          str(out)], capture_output=True, text=True, timeout=300)
     proc = run(corpus_file)  # its last row is blank: refused, nothing written
     assert proc.returncode != 0 and f"1 passage(s) with a blank text (first: {corpus_file}:8)" in proc.stderr
-    assert not out.exists() and not (tmp_path / "index.partial").exists()
+    assert not out.exists() and not [p for p in tmp_path.iterdir() if p.name.startswith(".index.")]
     mended = tmp_path / "mended.jsonl"
     mended.write_text("".join(corpus_file.read_text().splitlines(keepends=True)[:-1]))
     proc = run(mended)
@@ -164,7 +164,7 @@ def test_streaming_build_refuses_blank_texts_and_repeated_ids(tmp_path, monkeypa
                                                 r"id\(s\) \(first: 'p3', 'p9'\)"):
         build.build_index(((f"line {i}", d) for i, d in enumerate(bad)), str(out), chunk=7, show_progress=False)
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before  # the last good index stays whole
-    assert not (tmp_path / "idx.partial").exists()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".idx.")]  # no scratch left
     # Equal 8-byte hashes of different ids are no repeat.
     monkeypatch.setattr(build, "_id_hash", lambda passage_id: 7)
     assert build.build_index(((str(i), d) for i, d in enumerate(docs)), str(out), show_progress=False)["passages"] == 51
@@ -181,8 +181,7 @@ def test_streaming_build_refuses_blank_texts_and_repeated_ids(tmp_path, monkeypa
 
 
 def test_one_index_build_per_output(tmp_path):
-    """A second build into the same --out while one runs is refused naming the first; both would
-    write the one scratch directory `out.partial`."""
+    """A second build into the same --out while one runs is refused naming the first."""
     from sem_jax.retrieval import build
     from sem_jax.run_lock import RunLock, RunLocked
     out = tmp_path / "idx"
@@ -190,8 +189,22 @@ def test_one_index_build_per_output(tmp_path):
     with RunLock.beside(str(out), "index build"):  # a build in flight
         with pytest.raises(RunLocked, match=rf"idx\.lock: another index build writes {out} \(host .*, pid {os.getpid()}"):
             build.build_index(((str(i), d) for i, d in enumerate(docs)), str(out), show_progress=False)
-        assert not out.exists() and not (tmp_path / "idx.partial").exists()
+        assert not out.exists() and not [p for p in tmp_path.iterdir() if p.name.startswith(".idx.")]
     assert build.build_index(((str(i), d) for i, d in enumerate(docs)), str(out), show_progress=False)["passages"] == 5
+
+
+def test_an_index_rebuild_never_deletes_a_users_old_or_partial_directory(tmp_path):
+    from sem_jax.retrieval import build
+    out = tmp_path / "idx"
+    docs = [{"id": str(i), "title": "", "text": f"passage {i}"} for i in range(5)]
+    for name in ("idx.old", "idx.partial"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "keep.txt").write_text(name)
+    for _ in range(2):  # a build, then a rebuild over it
+        build.build_index(((str(i), d) for i, d in enumerate(docs)), str(out), show_progress=False)
+    for name in ("idx.old", "idx.partial"):
+        assert (tmp_path / name / "keep.txt").read_text() == name
+    assert sorted(p.name for p in tmp_path.iterdir() if not p.name.endswith(".lock")) == ["idx", "idx.old", "idx.partial"]
 
 
 @pytest.mark.parametrize("damage,message", [

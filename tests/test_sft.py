@@ -194,7 +194,7 @@ def test_write_hf_dir_replaces_a_whole_directory(tiny_dir, tmp_path):
     write_hf_dir(model, tok, str(out), overwrite=True, extra={"note.json": {"a": 1}})
     assert "model.safetensors.index.json" not in os.listdir(out) and "model.safetensors" in os.listdir(out)
     assert json.loads((out / "note.json").read_text()) == {"a": 1}
-    assert not os.path.exists(f"{out}.partial") and not os.path.exists(f"{out}.old")
+    assert not [p for p in os.listdir(tmp_path) if p.startswith(".export.")]  # no scratch left
     reloaded = from_pretrained(str(out))
     same = jax.tree.map(lambda a, b: bool(jnp.all(a == b)), nnx.state(model), nnx.state(reloaded))
     assert all(jax.tree.leaves(same))
@@ -208,3 +208,17 @@ def test_traces_longer_than_the_packed_row_are_skipped_and_reported_before_train
     assert "skipped 1 of 3 traces longer than sft.width=9 (the longest has 17 tokens)" in capsys.readouterr().out
     with pytest.raises(ValueError, match="no warm-start trace fits a packed row of sft.width=4"):
         fitting_pairs(pairs, 4)
+
+
+def test_write_hf_dir_never_deletes_a_users_old_or_partial_directory(tiny_dir, tmp_path):
+    """The scratch names are the program's own: `OUT.old` and `OUT.partial` of the user's stay."""
+    model, tok = from_pretrained(str(tiny_dir)), load_tokenizer(str(tiny_dir))
+    out = tmp_path / "run"
+    for name in ("run.old", "run.partial"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "keep.txt").write_text(name)
+    write_hf_dir(model, tok, str(out))
+    write_hf_dir(model, tok, str(out), overwrite=True)  # replacing an existing export too
+    for name in ("run.old", "run.partial"):
+        assert (tmp_path / name / "keep.txt").read_text() == name
+    assert (out / "config.json").exists() and sorted(os.listdir(tmp_path)) == ["run", "run.old", "run.partial"]

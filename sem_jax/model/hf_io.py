@@ -223,7 +223,8 @@ def save_pretrained(model: Qwen2, path: str, *, max_shard_size: int | str = "5GB
             size = 0
         plan[-1].append(entry)
         size += nbytes
-    os.makedirs(path, exist_ok=True)
+    if jax.process_index() == 0:  # the only writer
+        os.makedirs(path, exist_ok=True)
     lookup = {e[0]: e for e in entries}
 
     def fetch(hf_name):

@@ -27,6 +27,7 @@ from tqdm import tqdm
 
 from sem_jax.retrieval.bm25 import FORMAT, _quiet_bm25s, _stemmer
 from sem_jax.run_lock import RunLock
+from sem_jax.whole_dir import scratch_beside, swap_into_place
 
 STATE_INT, STATE_FLOAT = np.int32, np.float32  # bm25s's int_dtype and dtype
 
@@ -43,7 +44,7 @@ def build_index(passages: Iterable[tuple[str, dict[str, str]]], out_dir: str, *,
                 stopwords: str | None = "en", k1: float = 1.5, b: float = 0.75, chunk: int = 20_000,
                 total: int | None = None, show_progress: bool = True) -> dict:
     """Index `(where, {id, title, text})` passages into `out_dir` (written whole: built in
-    `out_dir.partial`, then renamed). The title is indexed with the text, as `Retriever.build`
+    a scratch directory of its own beside it, then renamed). The title is indexed with the text, as `Retriever.build`
     does. Returns the index settings (sem_jax_index.json) with the build's counts."""
     import bm25s
 
@@ -60,9 +61,7 @@ def _build(passages, out_dir: str, bm25s, *, stemmer, stopwords, k1, b, chunk, t
     start = time.time()
     if os.path.isdir(out_dir) and os.listdir(out_dir) and not os.path.exists(os.path.join(out_dir, "sem_jax_index.json")):
         raise CorpusError(f"{out_dir}: not empty and not an index: give another --out (only an index is replaced)")
-    scratch = out_dir.rstrip("/") + ".partial"
-    shutil.rmtree(scratch, ignore_errors=True)
-    os.makedirs(scratch)
+    scratch = scratch_beside(out_dir)
     try:
         stats = _write(passages, scratch, bm25s, _stemmer(stemmer), stopwords, k1, b, chunk, total, show_progress)
         settings = {"format": FORMAT, "stemmer": stemmer, "stopwords": stopwords, "k1": k1, "b": b,
@@ -71,12 +70,7 @@ def _build(passages, out_dir: str, bm25s, *, stemmer, stopwords, k1, b, chunk, t
             json.dump(settings, fh, indent=2)
         for name in ("triples.doc", "triples.term", "triples.tf"):
             os.remove(os.path.join(scratch, name))
-        old = out_dir.rstrip("/") + ".old"
-        if os.path.exists(out_dir):  # the earlier index is set aside until the new one is in place
-            shutil.rmtree(old, ignore_errors=True)
-            os.replace(out_dir, old)
-        os.replace(scratch, out_dir)
-        shutil.rmtree(old, ignore_errors=True)
+        swap_into_place(scratch, out_dir)  # the earlier index is set aside until the new one is in place
     except BaseException:
         shutil.rmtree(scratch, ignore_errors=True)
         raise
