@@ -108,7 +108,7 @@ def settings(config: Config) -> Settings:
                               max_tokens_per_passage=config.retrieval.max_tokens_per_passage,
                               max_block_tokens=block, max_note_tokens=NOTE_TOKENS, slots=r.slots,
                               chunk_steps=r.chunk_steps, lockstep=r.lockstep, narrow=r.narrow,
-                              retrieval_threads=r.retrieval_threads),
+                              retrieval_threads=r.retrieval_threads, retrieval_timeout_s=r.retrieval_timeout_s),
         grpo=GRPOConfig(beta=config.rl.beta, clip_eps=config.rl.clip_eps, clip_eps_high=config.rl.clip_eps_high,
                         loss_agg=config.rl.loss_agg, dr_grpo_length=r.max_new_tokens),
         optim=OptimConfig(total_steps=config.train.total_steps, **dataclasses.asdict(config.optim)),

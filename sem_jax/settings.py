@@ -142,6 +142,8 @@ class Rollout:
     lockstep: bool = False
     narrow: bool = False
     retrieval_threads: int = setting(4, **POSITIVE)
+    # A retriever call not back this many seconds after its answer is due fails the rollout, naming it.
+    retrieval_timeout_s: float = setting(300.0, low=0.0, high=BIG, ends="()")
 
 
 @dataclasses.dataclass(frozen=True)

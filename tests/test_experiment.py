@@ -147,3 +147,11 @@ def test_a_resumed_experiment_must_bring_its_config(tmp_path):
     other = config.replace(**{"experiment.mmlu_eval": 5, "train.total_steps": 3})
     with pytest.raises(ValueError, match=r"another config \(changed: experiment\.mmlu_eval, train\.total_steps\)"):
         saved_config(other, str(tmp_path))
+    # A run written before a field existed resumes while the field keeps its default, not otherwise.
+    path = tmp_path / "experiment.json"
+    older = json.loads(path.read_text())
+    del older["rollout"]["retrieval_timeout_s"]
+    path.write_text(json.dumps(older))
+    saved_config(config, str(tmp_path))
+    with pytest.raises(ValueError, match=r"changed: rollout\.retrieval_timeout_s"):
+        saved_config(config.replace(**{"rollout.retrieval_timeout_s": 5.0}), str(tmp_path))

@@ -553,3 +553,52 @@ def test_a_row_ended_at_its_search_limit_is_not_served_again(qwen25_tokenizer, r
     assert [t.end_reason for t in got] == ["search_limit", "eos"]
     assert [t.num_searches for t in got] == [1, 0] and stats.retriever_calls == 1
     assert int(got[1].loss_mask.sum()) == 61
+
+
+class ShortRetriever:
+    """Answers one query fewer than asked (a broken retriever or a remote one that drops rows)."""
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def search(self, queries, k):
+        return self.inner.search(queries, k)[:-1]
+
+
+class SilentRetriever:
+    """Never answers (a hung remote retriever): each call waits on an event no one sets."""
+
+    def __init__(self):
+        import threading
+        self.never = threading.Event()
+
+    def search(self, queries, k):
+        self.never.wait(30)
+        return []
+
+
+@pytest.mark.parametrize("broken,message", [
+    ("short", r"ShortRetriever\.search returned 2 result lists for 3 queries"),
+    ("silent", r"SilentRetriever\.search: 1 call\(s\) not back 0\.5 s after their answer was due "
+               r"\(rollout\.retrieval_timeout_s\)")])
+def test_a_retriever_that_answers_short_or_never_fails_the_rollout_naming_it(qwen_tokenizer, retriever, broken,
+                                                                             message):
+    """Rows whose answer is missing used to stay paused: the rollout never ended, silently."""
+    import time
+    from sem_jax.sampling.rollout import RetrieverError
+    tok = qwen_tokenizer
+    enc = lambda s: tok.encode(s, add_special_tokens=False)
+    prompt = enc("<|im_start|>user\nQ?<|im_end|>\n<|im_start|>assistant\n")
+    script, full = _script(tok, prompt, ["<think>No.</think><answer>Lyon</answer><search>capital of France</search>",
+                                         "<answer>Paris</answer>", [IM_END]], 1)
+    sampler = Sampler(ScriptedPolicy(script, len(tok)), build_stop_automaton(tok, SEM.stop_strings),
+                      SamplingConfig(max_new_tokens=len(full) + 16, greedy=True, eos_ids=(IM_END,)))
+    cfg = RolloutConfig(group_size=3, max_searches=1, top_k=2, max_tokens_per_passage=32, max_block_tokens=512,
+                        max_note_tokens=64, retrieval_timeout_s=0.5)
+    bad = ShortRetriever(retriever) if broken == "short" else SilentRetriever()
+    t0 = time.perf_counter()
+    with pytest.raises(RetrieverError, match=message):
+        rollout(sampler, tok, bad, [prompt], jax.random.key(0), cfg)
+    assert time.perf_counter() - t0 < 25  # not waiting on the hung call's thread
+    if broken == "silent":
+        bad.never.set()

@@ -132,7 +132,9 @@ def saved_config(config: Config, out: str) -> None:
     with open(path) as fh:
         before = _flat(json.load(fh))
     now = _flat(json.loads(config.to_json()))
-    changed = sorted(k for k in set(before) | set(now) if before.get(k) != now.get(k))
+    # A field newer than the run is no change while it keeps its default (the run had that behaviour).
+    defaults = _flat(json.loads(Config().to_json()))
+    changed = sorted(k for k in set(before) | set(now) if before.get(k, defaults.get(k)) != now.get(k))
     if changed:
         raise ValueError(f"{out} holds an experiment run with another config (changed: {', '.join(changed[:6])}); "
                          "resume it with the same config, or choose another --out")

@@ -58,6 +58,7 @@ class RolloutConfig:
     lockstep: bool = False         # barriers at pauses and admissions (see the module docstring)
     narrow: bool = False           # continuous, queue empty: halve the decode batch while half its slots are free
     retrieval_threads: int = 4     # host threads that run retriever calls beside decoding
+    retrieval_timeout_s: float = 300.0  # a retriever call not back this long after it is due fails the rollout
 
 
 @dataclasses.dataclass
@@ -131,11 +132,18 @@ class _Row:
     admitted: float = 0.0
 
 
+class RetrieverError(RuntimeError):
+    """The retriever answered wrongly (not one result list per query) or not in time."""
+
+
 def _answer(retriever, protocol: Protocol, tokenizer, texts: list[str], cfg: RolloutConfig):
     """One retriever call for the queries in `texts` (run on the pool): (queries, blocks, cut, seconds)."""
     t0 = time.perf_counter()
     qs = [protocol.parse_query(t) for t in texts]
     results = retriever.search(qs, cfg.top_k)
+    if len(results) != len(qs):  # zip would drop the rest, and their rows would wait forever
+        raise RetrieverError(f"{type(retriever).__name__}.search returned {len(results)} result lists for "
+                             f"{len(qs)} queries (one list per query is needed)")
     blocks, cut = [], 0
     for q, res in zip(qs, results):
         ids, shortened = protocol.block_ids(q, res, tokenizer, cfg.max_tokens_per_passage, cfg.max_block_tokens)
@@ -193,6 +201,7 @@ def rollout(sampler: Sampler, tokenizer, retriever, prompts: Sequence[Sequence[i
     asked = np.zeros(slots, bool)  # the slot's paused row has been answered or asked for
     first_fill = slots < n_rows
     narrow = cfg.narrow and not cfg.lockstep and sampler.can_narrow()
+    hung = False
     pool = concurrent.futures.ThreadPoolExecutor(max(1, cfg.retrieval_threads), thread_name_prefix="retrieval")
     try:
         while True:
@@ -236,7 +245,12 @@ def rollout(sampler: Sampler, tokenizer, retriever, prompts: Sequence[Sequence[i
             due = [job for job in pending if cfg.lockstep or job[2] <= clock]
             if not all(f.done() for f, *_ in due):
                 t0 = time.perf_counter()
-                concurrent.futures.wait([f for f, *_ in due])
+                _, late = concurrent.futures.wait([f for f, *_ in due], timeout=cfg.retrieval_timeout_s)
+                if late:
+                    hung = True
+                    raise RetrieverError(f"{type(retriever).__name__}.search: {len(late)} call(s) not back "
+                                         f"{cfg.retrieval_timeout_s:g} s after their answer was due "
+                                         "(rollout.retrieval_timeout_s)")
                 stats.retrieval_wait_s += time.perf_counter() - t0
             for job in due:
                 pending.remove(job)
@@ -300,7 +314,7 @@ def rollout(sampler: Sampler, tokenizer, retriever, prompts: Sequence[Sequence[i
             stats.active_slot_steps += busy
             stats.boundaries += 1
     finally:
-        pool.shutdown(wait=True, cancel_futures=True)
+        pool.shutdown(wait=not hung, cancel_futures=True)  # a hung call's thread is left behind, not waited on
     stats.rollout_s = time.perf_counter() - t_start
     return [out[r] for r in range(real)], stats
 
