@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import re
+
 from sem_jax.data.example import LETTERS, Example
+
+# Every protocol's tags: in retrieved text they would be read as the policy's own.
+PROTOCOL_TAG = re.compile(r"<(/?)(think|answer|search|result)>", re.IGNORECASE)
 
 
 def question_text(ex: Example) -> str:
@@ -31,6 +36,14 @@ def chat_prompt(ex: Example, system_prompt: str) -> str:
 # ("(1) ", ": ", " ...", the line break) a cut title fits the per-passage room the buffers give
 # beside the text's budget (assemble.PASSAGE_EXTRA_TOKENS).
 TITLE_TOKENS = 8
+
+
+def as_data(text: str) -> str:
+    """Retrieved text made inert before it is inserted: a protocol tag in a passage would make the
+    parsers read the response as something else (a valid search scored as invalid), and a control
+    token's text (`<|im_end|>`) would be encoded as that special token inside the response. Tags
+    become `‹tag›`, and `<|` becomes `< |`."""
+    return PROTOCOL_TAG.sub(lambda m: f"\u2039{m.group(1)}{m.group(2)}\u203a", text).replace("<|", "< |")
 
 
 def cut_title(title: str, tokenizer, max_tokens: int | None) -> str:

@@ -48,8 +48,9 @@ def format_results(passages: Sequence[Passage], tokenizer, max_tokens_per_passag
     to a token budget and its title to `title_tokens` (None: whole)."""
     parts = []
     for p in passages:
-        text = chat.cut_to_tokens(p.text, tokenizer, max_tokens_per_passage)
-        parts.append(f'"{chat.cut_title(p.title, tokenizer, title_tokens)}"\n{text}' if p.title else text)
+        text = chat.cut_to_tokens(chat.as_data(p.text), tokenizer, max_tokens_per_passage)
+        title = chat.cut_title(chat.as_data(p.title), tokenizer, title_tokens)
+        parts.append(f'"{title}"\n{text}' if p.title else text)
     return result_text("\n\n".join(parts) if parts else "No results found.")
 
 

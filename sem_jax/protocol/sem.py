@@ -67,8 +67,8 @@ def format_results(passages: Sequence[Passage], tokenizer, max_tokens_per_passag
     and its title to `title_tokens` (None: whole)."""
     lines = []
     for i, p in enumerate(passages, start=1):
-        text = chat.cut_to_tokens(p.text, tokenizer, max_tokens_per_passage)
-        title = chat.cut_title(p.title, tokenizer, title_tokens)
+        text = chat.cut_to_tokens(chat.as_data(p.text), tokenizer, max_tokens_per_passage)
+        title = chat.cut_title(chat.as_data(p.title), tokenizer, title_tokens)
         lines.append(f"({i}) {title}: {text}" if p.title else f"({i}) {text}")
     return result_text("\n".join(lines) if lines else NO_RESULTS)
 
