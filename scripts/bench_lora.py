@@ -4,11 +4,14 @@
 
 Workload: configs/real_experiment.py:cpu's step shape (PROMPTS prompts x G rows, PROMPT_LEN prompt
 tokens, exactly NEW sampled tokens; random token ids: the time does not depend on the text), f32,
-beta > 0 with a reference pass, AdamW, global-norm clip, the trainer's micro-batch. Each setting runs
-in a process of its own (its peak resident memory is its own), one warm-up iteration (compiling)
-then `--iters` timed ones; reported: median seconds of the rollout (the sampler on the policy's
-merged weights), the reference pass, the update, the update's share (reference + update) and the
-whole step, the peak memory, and the ratios full / LoRA. Written to --out as JSON.
+beta > 0 with a reference pass, AdamW, global-norm clip, the trainer's micro-batch. Three settings:
+LoRA as training runs it (the sampler keeps the residual stream entering the lowest adapted layer,
+and the reference pass and the update start there), LoRA with the update over every layer (the
+frozen ones forward only), and the full fine-tune. Each runs in a process of its own (its peak
+resident memory is its own), one warm-up iteration (compiling) then `--iters` timed ones; reported:
+median seconds of the rollout (the sampler on the policy's merged weights), the reference pass, the
+update, the two together (after the rollout) and the whole step, the peak memory, and the ratios.
+Written to --out as JSON.
 """
 
 from __future__ import annotations
@@ -29,8 +32,9 @@ PROMPTS, G, PROMPT_LEN, NEW, MICRO = 4, 4, 320, 192, 8
 BETA = 0.001
 
 
-def one_setting(path: str, rank: int, layers: int, iters: int) -> dict:
-    """This process's timings for one setting (rank 0: the full fine-tune)."""
+def one_setting(path: str, rank: int, layers: int, iters: int, args_full_forward: bool = False) -> dict:
+    """This process's timings for one setting (rank 0: the full fine-tune; `args_full_forward`:
+    LoRA without the sampler's residual stream, the update running every layer)."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -49,7 +53,9 @@ def one_setting(path: str, rank: int, layers: int, iters: int) -> dict:
     spec = lora_lib.LoraSpec(rank=rank, alpha=2.0 * rank, targets=tuple(lora_lib.TARGETS), first=cfg.num_layers - layers,
                              num_layers=cfg.num_layers) if rank else None
     never = StopAutomaton(("</search>",), np.zeros((cfg.vocab_size, 1), np.int32))
-    sampler = Sampler(model, never, SamplingConfig(max_new_tokens=NEW, temperature=1.0))
+    # As training runs it: the sampler keeps the residual entering the lowest adapted layer.
+    sampler = Sampler(model, never, SamplingConfig(max_new_tokens=NEW, temperature=1.0),
+                      resid_layer=spec.first if spec and not args_full_forward else -1)
     trainer = Trainer(model, GRPOConfig(beta=BETA, clip_eps=0.2), OptimConfig(lr=1e-5, grad_clip=1.0),
                       micro_batch=MICRO, group_size=G, lora=spec)
     _, params = nnx.split(model)
@@ -68,9 +74,12 @@ def one_setting(path: str, rank: int, layers: int, iters: int) -> dict:
         sampler.set_params(params if spec is None else lora_lib.merge(spec, base, params))
         state = sampler.decode(sampler.start(prompts.tolist(), G, jax.random.key(it)))
         resp, lp, n = jax.device_get((state.resp, state.resp_logprob, state.resp_len))
+        resid = None if state.cache.resid is None else np.asarray(state.cache.resid)
         sampler.release()
         trajs = [Trajectory(r // G, prompts[r // G].tolist(), resp[r][:n[r]], np.ones(n[r], np.int8), lp[r][:n[r]], 0,
-                            [], "", "length") for r in range(PROMPTS * G)]
+                            [], "", "length",
+                            resid=None if resid is None else resid[r, :PROMPT_LEN + n[r] - 1].copy())
+                 for r in range(PROMPTS * G)]
         adv = rng.randn(PROMPTS * G).astype(np.float32)
         batch = build_batch(trajs, adv, micro_batch=MICRO, group_size=G)
         t1 = time.perf_counter()
@@ -98,25 +107,28 @@ def main(argv=None) -> int:
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--layers", type=int, default=4, help="top layers with adapters")
     ap.add_argument("--out", default="bench_lora.json")
-    ap.add_argument("--one", help=argparse.SUPPRESS)  # "rank,layers": run one setting here, print its JSON
+    ap.add_argument("--one", help=argparse.SUPPRESS)  # "rank,layers,full_forward": one setting here, its JSON
     args = ap.parse_args(argv)
     if args.one:
-        rank, layers = map(int, args.one.split(","))
-        print(json.dumps(one_setting(args.model, rank, layers, args.iters)))
+        rank, layers, full_forward = map(int, args.one.split(","))
+        print(json.dumps(one_setting(args.model, rank, layers, args.iters, bool(full_forward))))
         return 0
     results = {}
-    for name, rank in (("lora", args.rank), ("full", 0)):
+    for name, rank, full_forward in (("lora", args.rank, 0), ("lora_full_forward", args.rank, 1), ("full", 0, 0)):
         print(f"{name} (rank {rank}, top {args.layers} layers)" if rank else name, flush=True)
         proc = subprocess.run([sys.executable, __file__, "--model", args.model, "--iters", str(args.iters),
-                               "--one", f"{rank},{args.layers}"], stdout=subprocess.PIPE, text=True, check=True)
+                               "--one", f"{rank},{args.layers},{full_forward}"], stdout=subprocess.PIPE, text=True,
+                              check=True)
         results[name] = json.loads(proc.stdout.strip().splitlines()[-1])
         print(f"  {json.dumps(results[name])}", flush=True)
     full, lora = results["full"], results["lora"]
     ratios = {k: full[f"{k}_s"] / lora[f"{k}_s"] for k in ("after_rollout", "update", "total")}
+    ratios["residual_vs_full_forward_after_rollout"] = (results["lora_full_forward"]["after_rollout_s"]
+                                                        / lora["after_rollout_s"])
     report = dict(machine=dict(platform=platform.platform(), cpus=os.cpu_count()),
                   workload=dict(checkpoint=args.model, prompts=PROMPTS, group=G, prompt_len=PROMPT_LEN, new_tokens=NEW,
                                 micro_batch=MICRO, beta=BETA, lora_rank=args.rank, lora_layers=args.layers),
-                  full=full, lora=lora, speedup=ratios)
+                  full=full, lora=lora, lora_full_forward=results["lora_full_forward"], speedup=ratios)
     print(f"after the rollout (reference + update): full {full['after_rollout_s']:.1f}s, LoRA {lora['after_rollout_s']:.1f}s "
           f"-> x{ratios['after_rollout']:.2f}; whole step: {full['total_s']:.1f}s vs {lora['total_s']:.1f}s -> "
           f"x{ratios['total']:.2f}; peak memory {full['peak_rss_gib']:.1f} vs {lora['peak_rss_gib']:.1f} GiB", flush=True)

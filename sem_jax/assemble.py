@@ -273,7 +273,7 @@ def build_retriever(config: Config):
 
 
 def build_sampler(model: Qwen2, tokenizer, sampling: SamplingConfig, config: Config, protocol: Protocol, *,
-                  mesh: Mesh | None = None, calls: CallLog | None = None) -> Sampler:
+                  mesh: Mesh | None = None, calls: CallLog | None = None, resid_layer: int = -1) -> Sampler:
     t, kv = config.rollout.tensor, model.config.num_kv_heads
     if t and kv % t:
         print(f"WARNING: rollout.tensor={t} does not divide the model's {kv} KV heads: each tensor-parallel "
@@ -285,7 +285,7 @@ def build_sampler(model: Qwen2, tokenizer, sampling: SamplingConfig, config: Con
               flush=True)
     stop = build_stop_automaton(tokenizer, protocol.stop_strings, vocab_size=model.config.vocab_size)
     sampler = Sampler(model, stop, sampling, mesh=mesh, calls=calls, window_steps=config.rollout.window_steps,
-                      max_prompt_tokens=config.data.max_prompt_tokens)
+                      max_prompt_tokens=config.data.max_prompt_tokens, resid_layer=resid_layer)
     if config.rollout.narrow and not sampler.can_narrow():
         print("WARNING: rollout.narrow is ignored: the sampler's rows are split over processes or devices, and "
               "narrowing would move them between devices (it runs on one process with an unsplit batch)", flush=True)
@@ -434,9 +434,13 @@ def build(config: Config, purpose: str, *, devices: Sequence | None = None, resu
         run.greedy = build_sampler(run.model, run.tokenizer, s.greedy, config, s.protocol, mesh=rollout_mesh,
                                    calls=run.calls)
     if purpose == "train":
-        run.sampler = build_sampler(run.model, run.tokenizer, s.sampling, config, s.protocol, mesh=rollout_mesh,
-                                    calls=run.calls)
         run.trainer = build_trainer(config, run.model, s, mesh, processes=nproc)
+        # LoRA on the top layers: the sampler keeps the residual stream entering the lowest adapted
+        # one, and the update starts there (both per layer; the layer scan runs every layer).
+        spec = run.trainer.lora
+        resid_layer = spec.first if spec is not None and spec.first > 0 and run.trainer.per_layer else -1
+        run.sampler = build_sampler(run.model, run.tokenizer, s.sampling, config, s.protocol, mesh=rollout_mesh,
+                                    calls=run.calls, resid_layer=resid_layer)
         # Each process pads its rows so that the global batch splits into micro-batches and over the
         # batch shards, and its groups stay whole runs of the trainer's shared prompts.
         run.row_multiple = int(np.lcm.reduce([run.trainer.micro_batch // nproc, local_batch_multiple(mesh),

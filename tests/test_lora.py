@@ -189,118 +189,179 @@ def test_spec_of_the_config_section():
 
 
 # -- end to end: train, resume, evaluate and export a LoRA run --------------------------------
+# The random-init model of configs/cpu.py: its groups tie at these sizes (no reward signal), so B
+# stays 0 and AdamW's weight decay moves A alone; the export test writes adapters that change the model.
 
-from test_train import warm_model  # noqa: E402,F401 - the tiny model taught the format (a fixture)
-
-
-def _train(run_dir, model_dir, *extra, check=True):
+def _train(run_dir, *extra, check=True):
     cmd = [sys.executable, "-m", "sem_jax.train", "--config", os.path.join(REPO, "configs", "cpu.py"),
-           f"--config.run_dir={run_dir}", f"--config.model.path={model_dir}", "--config.train.total_steps=2",
-           "--config.train.ckpt_every=1", "--config.train.eval_at_start=False", "--config.data.eval_questions=2",
-           "--config.rollout.max_new_tokens=48", "--config.data.prompts_per_step=4", "--config.rollout.group_size=4",
-           "--config.rl.micro_batch=8", "--config.rl.beta=0.04", "--config.optim.lr=0.01",
-           "--config.optim.warmup_steps=0", "--config.lora.rank=4", "--config.lora.layers=1", *extra]
+           f"--config.run_dir={run_dir}", "--config.train.total_steps=2", "--config.train.ckpt_every=1",
+           "--config.train.eval_at_start=False", "--config.data.eval_questions=2", "--config.rollout.max_new_tokens=24",
+           "--config.data.prompts_per_step=2", "--config.rollout.group_size=2", "--config.rl.micro_batch=4",
+           "--config.rl.beta=0.04", "--config.optim.lr=0.01", "--config.optim.warmup_steps=0",
+           "--config.lora.rank=4", "--config.lora.layers=1", *extra]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=REPO, env=cpu_env())
     if check:
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc
 
 
-def _adapters_at(run_dir, step, model_dir):
-    from sem_jax.model.hf_io import read_config
-    cfg = read_config(str(model_dir))
-    like = jax.eval_shape(lambda: lora.init_adapters(lora.LoraSpec(4, 32.0, tuple(lora.TARGETS), 1, 2), cfg))
+def _base(run_dir, seed=None):
+    """The random-init base a run trained on (its seed's), its config and spec."""
+    from sem_jax.assemble import build_policy
+    from sem_jax.settings import run_config
+    cfg = run_config(str(run_dir), "")
+    if seed is not None:
+        cfg = cfg.replace(seed=seed)
+    model, _ = build_policy(cfg, None, str(run_dir))
+    return model, cfg, lora.spec_of(cfg.lora, model.config)
+
+
+def _adapters_at(run_dir, step):
+    model, _, spec = _base(run_dir)
+    like = jax.eval_shape(lambda: lora.init_adapters(spec, model.config))
     params, _ = Checkpointer(os.path.join(run_dir, "ckpt"), read_only=True).restore_params(step, like)
     return params
 
 
 @pytest.fixture(scope="module")
-def lora_run(tmp_path_factory, warm_model):
+def lora_run(tmp_path_factory):
     run = tmp_path_factory.mktemp("lora") / "run"
-    proc = _train(run, warm_model)
-    assert "LoRA rank 4, alpha 32 on q,k,v,o,gate,up,down of layers 1-1" in proc.stdout
+    proc = _train(run)
+    assert "LoRA rank 4, alpha 32 on q,k,v,o,gate,up,down of layers 3-3" in proc.stdout
     return run
 
 
-def test_a_lora_run_resumes_exactly_and_refuses_another_base(lora_run, warm_model, tmp_path):
+def test_a_lora_run_resumes_exactly_and_refuses_another_base(lora_run, tmp_path):
     b = tmp_path / "b"
-    _train(b, warm_model, "--config.train.total_steps=1")
-    resumed = _train(b, warm_model)
+    _train(b, "--config.train.total_steps=1")
+    resumed = _train(b)
     assert "resumed from step 1" in resumed.stdout
-    two = _adapters_at(lora_run, 2, warm_model)
-    for x, y in zip(jax.tree.leaves(two), jax.tree.leaves(_adapters_at(b, 2, warm_model))):
+    two = _adapters_at(lora_run, 2)
+    for x, y in zip(jax.tree.leaves(two), jax.tree.leaves(_adapters_at(b, 2))):
         np.testing.assert_array_equal(x, y)
-    # The tiny policy's groups tie at these sizes (no reward signal): AdamW's weight decay moves A alone.
-    one = _adapters_at(lora_run, 1, warm_model)
+    one = _adapters_at(lora_run, 1)
     assert any(not np.array_equal(x, y) for x, y in zip(jax.tree.leaves(one), jax.tree.leaves(two)))
-    # Another base under the same run (one weight changed): refused by its fingerprint, naming the path.
-    import shutil
-    from sem_jax.model import from_pretrained, save_pretrained
-    other_dir = tmp_path / "other"
-    shutil.copytree(warm_model, other_dir)
-    other = from_pretrained(str(warm_model))
-    other.final_norm[...] = other.final_norm[...].at[0].add(0.5)
-    save_pretrained(other, str(other_dir))
-    proc = _train(b, other_dir, "--config.train.total_steps=3", check=False)
+    # Another base (the random-init model of another seed): refused by its fingerprint.
+    proc = _train(b, "--config.train.total_steps=3", "--config.seed=5", check=False)
     assert proc.returncode != 0
     assert "adapters were trained on a base with fingerprint" in proc.stdout + proc.stderr
-    assert str(other_dir) in proc.stdout + proc.stderr
 
 
-def test_a_lora_run_exports_merged_weights_and_peft_adapters(lora_run, warm_model, tmp_path):
+def test_a_lora_run_exports_merged_weights_and_peft_adapters(lora_run, tmp_path):
     """The merged HF directory, and the PEFT adapters on the base, give transformers the logits
     of the policy sem_jax evaluates (the checkpoint's adapters merged into the base)."""
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
     peft = pytest.importorskip("peft")
+    import shutil
     from sem_jax.assemble import restore_policy
     from sem_jax.export import export
-    from sem_jax.model import from_pretrained
+    from sem_jax.model import save_pretrained
     from sem_jax.settings import run_config
 
-    # The run's adapters have B = 0 (its groups tied); a checkpoint of adapters that change the
-    # model, written beside the run's config as training writes it.
+    # A copy of the run whose checkpoint holds adapters that change the model, written as training writes it.
     run = tmp_path / "run"
     run.mkdir()
-    (run / "config.json").write_text((lora_run / "config.json").read_text())
-    base = from_pretrained(str(warm_model))
-    spec = lora.LoraSpec(4, 32.0, tuple(lora.TARGETS), 1, 2)
+    for name in ("config.json", "tokenizer"):
+        (shutil.copytree if name == "tokenizer" else shutil.copy)(lora_run / name, run / name)
+    base, _, spec = _base(run)
     trained = jax.tree.map(lambda x: x + 0.02 * jax.random.normal(jax.random.key(0), x.shape),
                            lora.init_adapters(spec, base.config))
     ckpt = Checkpointer(str(run / "ckpt"), async_save=False)
     ckpt.save(2, trained, {"count": jnp.zeros(())}, {"step": 2, "lora_base": lora.fingerprint(nnx.split(base)[1])})
     ckpt.close()
-    merged_dir, adapter_dir = tmp_path / "merged", tmp_path / "adapters"
+    merged_dir, adapter_dir, base_dir = tmp_path / "merged", tmp_path / "adapters", tmp_path / "base"
     assert export(str(run / "ckpt"), str(merged_dir), dtype="float32") == 2
     assert export(str(run / "ckpt"), str(adapter_dir), adapters=True) == 2
     config = json.loads((adapter_dir / "adapter_config.json").read_text())
-    assert (config["r"], config["lora_alpha"], config["layers_to_transform"]) == (4, 32.0, [1])
-    ours = from_pretrained(str(warm_model))
-    restore_policy(run_config(str(run), ""), Checkpointer(str(run / "ckpt"), read_only=True), None, ours)
-    ids = np.random.RandomState(0).randint(0, ours.config.vocab_size, (2, 12))
+    assert (config["r"], config["lora_alpha"], config["layers_to_transform"]) == (4, 32.0, [3])
+    save_pretrained(base, str(base_dir))
+    ids = np.random.RandomState(0).randint(0, base.config.vocab_size, (2, 12))
     with torch.no_grad():
         want = transformers.AutoModelForCausalLM.from_pretrained(str(merged_dir)).eval()(torch.tensor(ids)).logits.numpy()
-        hf_base = transformers.AutoModelForCausalLM.from_pretrained(str(warm_model)).eval()
+        hf_base = transformers.AutoModelForCausalLM.from_pretrained(str(base_dir)).eval()
         plain = hf_base(torch.tensor(ids)).logits.numpy()
         adapted = peft.PeftModel.from_pretrained(hf_base, str(adapter_dir)).eval()(torch.tensor(ids)).logits.numpy()
     assert np.abs(plain - want).max() > 1e-4  # the adapters changed the model
     np.testing.assert_allclose(adapted, want, atol=1e-4)
-    np.testing.assert_allclose(np.asarray(ours(jnp.asarray(ids))), want, atol=1e-4)
+    restore_policy(run_config(str(run), ""), Checkpointer(str(run / "ckpt"), read_only=True), None, base)
+    np.testing.assert_allclose(np.asarray(base(jnp.asarray(ids))), want, atol=1e-4)
 
 
 def test_restoring_adapters_onto_another_base_is_refused(lora_run):
-    from sem_jax.assemble import new_model, restore_policy
-    from sem_jax.model.hf_io import read_config
-    from sem_jax.settings import run_config
-    cfg = run_config(str(lora_run), "")
-    other = new_model(cfg, read_config(cfg.model.path), jnp.float32, seed=3)
+    from sem_jax.assemble import restore_policy
+    other, cfg, _ = _base(lora_run, seed=3)
     with pytest.raises(Refused, match="fingerprint"):
         restore_policy(cfg, Checkpointer(os.path.join(lora_run, "ckpt"), read_only=True), None, other)
 
 
-def test_export_never_replaces_the_base_model_it_reads(lora_run, warm_model):
+def test_export_never_replaces_the_base_model_it_reads(tmp_path):
+    """Refused before any work, whatever the flags: the run's model.path is what export reads."""
     from sem_jax.export import export
-    before = {p.name: p.stat().st_mtime_ns for p in warm_model.iterdir()}
-    with pytest.raises(Refused, match=f"is {warm_model}, which this job reads"):
-        export(os.path.join(lora_run, "ckpt"), str(warm_model), overwrite=True)
-    assert {p.name: p.stat().st_mtime_ns for p in warm_model.iterdir()} == before
+    from sem_jax.settings import Config
+    base = tmp_path / "base"
+    base.mkdir()
+    (base / "config.json").write_text("{}")
+    run = tmp_path / "run"
+    (run / "ckpt").mkdir(parents=True)
+    (run / "config.json").write_text(Config().replace(**{"model.path": str(base)}).to_json())
+    with pytest.raises(Refused, match=f"is {base}, which this job reads"):
+        export(str(run / "ckpt"), str(base), overwrite=True)
+    assert (base / "config.json").read_text() == "{}"
+
+
+def test_the_residuals_the_update_starts_from_equal_a_fresh_forward(qwen25_tokenizer):
+    """The sampler keeps the residual stream entering the lowest adapted layer at every position
+    (prompt, sampled and inserted tokens, groups split over slots, rows narrowed); it equals one
+    fresh forward over the trajectory's tokens, and the trainer's log-probs and LoRA gradients
+    from it equal those of the whole forward."""
+    from policies import random_qwen2
+    from test_rollout import ENGINE_BASE, SlowRetriever, _scripted_workload, DOCS
+    from sem_jax.protocol import SEM
+    from sem_jax.retrieval import Retriever
+    from sem_jax.rl.batch import build_batch
+    from sem_jax.sampling import RolloutConfig, Sampler, SamplingConfig, build_stop_automaton, rollout
+
+    tok = qwen25_tokenizer
+    cfg = Qwen2Config(vocab_size=151936, hidden_size=32, intermediate_size=64, num_layers=4, num_heads=4,
+                      num_kv_heads=2, rope_theta=1e6)
+    model = random_qwen2(3, cfg, scale=0.2)
+    spec = lora.LoraSpec(rank=2, alpha=4.0, targets=("q", "down"), first=2, num_layers=4)
+    enc = lambda s: tok.encode(s, add_special_tokens=False)
+    prompts = [enc("Q: capital?"), enc("Where is the Nile and how high is Everest, and why?")]
+    sampler = Sampler(model, build_stop_automaton(tok, SEM.stop_strings, 151936),
+                      SamplingConfig(max_new_tokens=40, eos_ids=(151645,), max_inserted_tokens=200),
+                      window_steps=8, resid_layer=spec.first)
+    retriever = SlowRetriever(Retriever.build(DOCS, show_progress=False), 0.01)
+    rc = RolloutConfig(group_size=2, slots=3, narrow=True, chunk_steps=3, **ENGINE_BASE)  # groups split, rows moved
+    trajs, _ = rollout(sampler, tok, retriever, prompts, jax.random.key(1), rc,
+                       script=_scripted_workload(tok, 4, 48))
+    assert sum(t.num_searches for t in trajs) >= 2  # inserted blocks among the positions
+    fresh = jax.jit(lambda ids: model.hidden_states(ids, cache=model.init_cache(1, ids.shape[1], per_layer=True,
+                                                                                resid_layer=spec.first),
+                                                    layers=model.layer_list())[1].resid)
+    for t in trajs:
+        ids = np.array(list(t.prompt_ids) + t.response_ids.tolist())[None, :-1]
+        assert t.resid.shape == (ids.shape[1], cfg.hidden_size)
+        np.testing.assert_allclose(t.resid, np.asarray(fresh(jnp.asarray(ids)))[0], atol=2e-5, rtol=1e-4)
+
+    batch = build_batch(trajs, np.random.RandomState(0).randn(len(trajs)).astype(np.float32), micro_batch=2,
+                        group_size=2)
+    assert batch["resid"].shape[:2] == batch["inputs"].shape
+    without = {k: v for k, v in batch.items() if k != "resid"}
+    trainer = Trainer(model, GRPOConfig(beta=0.0), OptimConfig(), micro_batch=2, per_layer=True, group_size=2,
+                      lora=spec)
+    _, base = nnx.split(model)
+    real = batch["mask"] > 0  # sampled targets (past a row's end the inputs are padding either way)
+    np.testing.assert_allclose(np.asarray(trainer.logprobs(base, batch))[real],
+                               np.asarray(trainer.logprobs(base, without))[real], atol=5e-5)
+    ad = _adapters_for(spec, cfg)
+    grad = lambda b: jax.grad(lambda a: _loss(trainer, base, a, b))(ad)
+    for x, y in zip(jax.tree.leaves(grad(batch)), jax.tree.leaves(grad(without))):
+        np.testing.assert_allclose(x, y, atol=1e-5, rtol=1e-3)
+    assert max(np.abs(np.asarray(x)).max() for x in jax.tree.leaves(grad(batch))) > 1e-4
+
+
+def _adapters_for(spec, cfg):
+    ad = lora.init_adapters(spec, cfg, 1)
+    return jax.tree.map(lambda x: x + 0.05 * jax.random.normal(jax.random.key(9), x.shape), ad)

@@ -54,6 +54,8 @@ REMAT_POLICIES = {
 
 # Stacked keys and values, slots before heads: [S, K, D] as this call's new keys are [T, K, D].
 CACHE_AXES = ("layers", "batch", "cache_length", "act_kv_heads", "head_dim")
+# The residual stream a per-layer cache keeps (KVCache.resid), and one the caller gives.
+RESID_AXES = ("batch", "cache_length", "act_embed")
 # One layer's values and (transposed) keys in a per-layer cache, see KVCache.
 LAYER_CACHE_AXES = ("batch", "act_kv_heads", "cache_length", "head_dim")
 LAYER_KEY_AXES = ("batch", "act_kv_heads", "head_dim", "cache_length")
@@ -78,11 +80,17 @@ class KVCache:
     values, read under the layer scan) or per layer (for `hidden_states(layers=...)`: tuples
     of [batch, kv_heads, head_dim, max_length] keys, transposed for the decode's dot, and
     [batch, kv_heads, max_length, head_dim] values).
+
+    `resid` (per-layer caches, `init_cache(resid_layer=i)`): the residual stream entering layer
+    `resid_layer` at each filled position [batch, max_length, E], kept beside the keys: a LoRA
+    update whose lowest adapted layer is i starts there instead of running the frozen layers again.
     """
 
     k: jax.Array | tuple[jax.Array, ...]
     v: jax.Array | tuple[jax.Array, ...]
     lengths: jax.Array  # [batch] int32
+    resid: jax.Array | None = None
+    resid_layer: int = dataclasses.field(default=-1, metadata=dict(static=True))
 
     @property
     def per_layer(self) -> bool:
@@ -97,7 +105,8 @@ class KVCache:
         rep = lambda x, axis: jnp.repeat(x, n, axis=axis)
         axis = 0 if self.per_layer else 1  # stacked caches lead with the layer axis
         kv = lambda c: jax.tree.map(lambda x: rep(x, axis), c)
-        return KVCache(k=kv(self.k), v=kv(self.v), lengths=rep(self.lengths, 0))
+        return dataclasses.replace(self, k=kv(self.k), v=kv(self.v), lengths=rep(self.lengths, 0),
+                                   resid=None if self.resid is None else rep(self.resid, 0))
 
 
 QKV_BIASES = ("q_bias", "k_bias", "v_bias")
@@ -347,7 +356,9 @@ class Qwen2(nnx.Module):
         hidden, cache = self.hidden_states(tokens, cache=cache, num_new=num_new, window=window, layers=layers)
         return self.logits(hidden), cache
 
-    def init_cache(self, batch: int, max_length: int, dtype: Any = None, per_layer: bool = False) -> KVCache:
+    def init_cache(self, batch: int, max_length: int, dtype: Any = None, per_layer: bool = False,
+                   resid_layer: int = -1) -> KVCache:
+        """An empty cache; `resid_layer` >= 0 (per-layer only) keeps the residual entering that layer too."""
         c = self.config
         shape = (batch, c.num_kv_heads, max_length, c.head_dim)
         dtype = dtype or self.dtype
@@ -359,7 +370,12 @@ class Qwen2(nnx.Module):
         else:
             stacked = (c.num_layers, batch, max_length, c.num_kv_heads, c.head_dim)
             k, v = (constrain(jnp.zeros(stacked, dtype), axes) for axes in (k_axes, v_axes))
-        return KVCache(k=k, v=v, lengths=jnp.zeros((batch,), jnp.int32))
+        resid = None
+        if resid_layer >= 0:
+            if not per_layer:
+                raise ValueError("the residual stream is kept with a per-layer cache only (init_cache(per_layer=True))")
+            resid = constrain(jnp.zeros((batch, max_length, c.hidden_size), dtype), RESID_AXES)
+        return KVCache(k=k, v=v, lengths=jnp.zeros((batch,), jnp.int32), resid=resid, resid_layer=resid_layer)
 
     def layer_list(self, transposed: bool = False) -> list[dict[str, jax.Array]]:
         """Each layer's weights as arrays of their own, for `hidden_states(layers=...)`.
@@ -377,7 +393,8 @@ class Qwen2(nnx.Module):
     def hidden_states(self, tokens: jax.Array, *, attention_mask: jax.Array | None = None,
                       segment_ids: jax.Array | None = None, cache: KVCache | None = None,
                       num_new: jax.Array | None = None, window: int | None = None,
-                      layers: list[dict[str, jax.Array]] | None = None) -> tuple[jax.Array, KVCache | None]:
+                      layers: list[dict[str, jax.Array]] | None = None,
+                      residual: jax.Array | None = None) -> tuple[jax.Array, KVCache | None]:
         """Final-normed hidden states [B, T, E], and the updated cache when one is given.
 
         Without a cache (`forward`): `attention_mask` [B, T] marks real tokens, or
@@ -393,20 +410,29 @@ class Qwen2(nnx.Module):
         scanning the stacked ones (with a per-layer cache, or none). Under the scan XLA:CPU
         copies each layer's weights and cache window before using them, at every decode step;
         arrays of their own are read in place.
+
+        `residual` [B, T, E]: the residual stream entering `layers[0]` (per-layer weights: a run of
+        the top layers, the ones below done before, `KVCache.resid`) instead of the tokens'
+        embeddings; the tokens still give the positions and masks.
         """
+        if residual is not None and layers is None:
+            raise ValueError("a given residual stream enters per-layer weights (layers=...), the layers above it")
         if cache is None:
-            return self.forward(tokens, attention_mask=attention_mask, segment_ids=segment_ids, layers=layers), None
+            return self.forward(tokens, attention_mask=attention_mask, segment_ids=segment_ids, layers=layers,
+                                residual=residual), None
         if cache.per_layer != (layers is not None):
             raise ValueError("a per-layer KV cache goes with per-layer weights (layers=model.layer_list())"
                              if cache.per_layer else
                              "per-layer weights need a per-layer KV cache (init_cache(per_layer=True))")
         if layers is None:
+            if cache.resid is not None:
+                raise ValueError("the residual stream is kept with a per-layer cache only")
             return self.extend_stacked(tokens, cache, num_new=num_new, window=window)
-        return self.extend_per_layer(tokens, cache, layers, num_new=num_new, window=window)
+        return self.extend_per_layer(tokens, cache, layers, num_new=num_new, window=window, residual=residual)
 
     def forward(self, tokens: jax.Array, *, attention_mask: jax.Array | None = None,
-                segment_ids: jax.Array | None = None,
-                layers: list[dict[str, jax.Array]] | None = None) -> jax.Array:
+                segment_ids: jax.Array | None = None, layers: list[dict[str, jax.Array]] | None = None,
+                residual: jax.Array | None = None) -> jax.Array:
         """The training forward pass (no cache): final-normed hidden states [B, T, E]."""
         b, t = tokens.shape
         idx = jnp.arange(t, dtype=jnp.int32)
@@ -422,7 +448,7 @@ class Qwen2(nnx.Module):
             key_ok = attention_mask.astype(bool)
             positions = jnp.maximum(jnp.cumsum(key_ok, axis=-1, dtype=jnp.int32) - 1, 0)
             mask = causal & key_ok[:, None, :]
-        x, cos, sin = self._embed(tokens, positions)
+        x, cos, sin = self._embed(tokens, positions, residual)
         attend = self._self_attention(t, mask, segment_ids if segment_ids is not None else attention_mask)
 
         def layer(x, p):
@@ -483,7 +509,8 @@ class Qwen2(nnx.Module):
         return self._finish(x, cache, k_all, v_all, t, num_new)
 
     def extend_per_layer(self, tokens: jax.Array, cache: KVCache, layers: list[dict[str, jax.Array]], *,
-                         num_new: jax.Array | None = None, window: int | None = None) -> tuple[jax.Array, KVCache]:
+                         num_new: jax.Array | None = None, window: int | None = None,
+                         residual: jax.Array | None = None) -> tuple[jax.Array, KVCache]:
         """Prefill, insert or decode into a per-layer cache, layer by layer (the CPU layout: keys
         stored [B, K, D, S]). Each layer writes this call's keys first and then reads its window
         (`window + T` slots): a read before the write made XLA:CPU copy the whole cache."""
@@ -493,7 +520,7 @@ class Qwen2(nnx.Module):
         window = min((cache.max_length if window is None else window) + t, cache.max_length)
         # Token j sees the slots up to its own position (this call's keys are already written).
         cache_mask = jnp.arange(window, dtype=jnp.int32)[None, None, :] <= positions[:, :, None]
-        x, cos, sin = self._embed(tokens, positions)
+        x, cos, sin = self._embed(tokens, positions, residual)
         rows = jnp.arange(b)[:, None]
 
         def layer(x, xs):
@@ -509,6 +536,9 @@ class Qwen2(nnx.Module):
         layer = self._remat(layer)
         k_all, v_all = [], []
         for i, p in enumerate(layers):
+            if i == cache.resid_layer and cache.resid is not None:  # kept at the positions the keys go to
+                cache = dataclasses.replace(cache, resid=constrain(cache.resid.at[rows, positions].set(
+                    x.astype(cache.resid.dtype), mode="drop"), RESID_AXES))
             x, (k, v) = layer(x, (p, cache.k[i], cache.v[i]))
             k_all.append(k)
             v_all.append(v)
@@ -516,8 +546,10 @@ class Qwen2(nnx.Module):
 
     # -- pieces of every forward path ---------------------------------------------------------
 
-    def _embed(self, tokens: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-        x = self.embed[...].astype(self.dtype)[tokens]
+    def _embed(self, tokens: jax.Array, positions: jax.Array,
+               residual: jax.Array | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """The first layer's input (the tokens' embeddings, or a given `residual`) and RoPE's tables."""
+        x = self.embed[...].astype(self.dtype)[tokens] if residual is None else residual.astype(self.dtype)
         x = constrain(x, ("batch", "length", "act_embed"))
         return (x, *rope_tables(positions, self.config.head_dim, self.config.rope_theta))
 
@@ -675,4 +707,4 @@ class Qwen2(nnx.Module):
         x = rms_norm(x, self.final_norm[...], self.config.rms_norm_eps)
         # Writes past the cache's end were dropped (the caller sizes the cache), never clamped.
         step = t if num_new is None else num_new.astype(jnp.int32)
-        return x, KVCache(k=k, v=v, lengths=cache.lengths + step)
+        return x, dataclasses.replace(cache, k=k, v=v, lengths=cache.lengths + step)

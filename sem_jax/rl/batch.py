@@ -51,6 +51,9 @@ def build_batch(trajs: Sequence[Trajectory], advantages: np.ndarray, *, micro_ba
     `group_size`: trajectories come in groups of this many consecutive ones with the same
     prompt (the rollout's order), which `Trainer(group_size=)` computes once per group;
     anything else is a `ValueError` naming the row.
+
+    `resid` [N, T, E] float32 when every trajectory carries the residual stream the sampler kept
+    (`Trajectory.resid`): input position j's, where a LoRA update starts (0 on padding).
     """
     if len(trajs) % group_size:
         raise ValueError(f"{len(trajs)} trajectories do not split into groups of {group_size}")
@@ -70,6 +73,8 @@ def build_batch(trajs: Sequence[Trajectory], advantages: np.ndarray, *, micro_ba
                          f"in width {width}")
     out = {k: np.full(shape, pad_id if k in ("inputs", "targets") else 0, dtype)
            for k, (shape, dtype) in batch_shapes(n, width, response).items()}
+    if all(t.resid is not None for t in trajs):
+        out["resid"] = np.zeros((n, width, trajs[0].resid.shape[-1]), np.float32)
     for i, (t, s) in enumerate(zip(trajs, seqs)):
         p, m = len(t.prompt_ids), len(s) - 1
         out["inputs"][i, :m] = s[:-1]
@@ -82,4 +87,6 @@ def build_batch(trajs: Sequence[Trajectory], advantages: np.ndarray, *, micro_ba
         out["mask"][i, p - 1 - start:m - start] = t.loss_mask
         out["sampler_logprobs"][i, p - 1 - start:m - start] = t.logprobs
         out["advantages"][i] = advantages[i]
+        if "resid" in out:
+            out["resid"][i, :m] = t.resid[:m]
     return out

@@ -28,7 +28,8 @@ class GRPOConfig:
 def token_logprobs(model: Qwen2, inputs: jax.Array, targets: jax.Array, chunk: int = 128,
                    segment_ids: jax.Array | None = None, per_layer: bool = False,
                    start: jax.Array | None = None, group: int = 1, unroll_head: int = 1,
-                   layers: list[dict[str, jax.Array]] | None = None) -> tuple[jax.Array, jax.Array]:
+                   layers: list[dict[str, jax.Array]] | None = None,
+                   residual: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """log p(target | inputs up to its position) and entropy, float32 in the shape of `targets`,
     without ever holding [B, T, V].
 
@@ -50,15 +51,17 @@ def token_logprobs(model: Qwen2, inputs: jax.Array, targets: jax.Array, chunk: i
     analysis counts a loop's body once, so `sem_jax.roofline` compiles 1 and 2.
 
     `layers`: the per-layer weights to run (as `per_layer`, but given: LoRA's adapted layers).
+    `residual` [B, T, E]: the residual stream entering `layers[0]` at every input position (the
+    layers below already run, by the sampler: `KVCache.resid`), instead of the embeddings.
     """
     if layers is None and per_layer:
         layers = model.layer_list()
     if start is None:
         if group != 1:
             raise ValueError("token_logprobs(group=...) shares the prefix before each row's window: pass start")
-        hidden, _ = model.hidden_states(inputs, segment_ids=segment_ids, layers=layers)
+        hidden, _ = model.hidden_states(inputs, segment_ids=segment_ids, layers=layers, residual=residual)
     else:
-        hidden = _window_hidden(model, inputs, start, targets.shape[1], group, layers)
+        hidden = _window_hidden(model, inputs, start, targets.shape[1], group, layers, residual)
     w = model.lm_head_weight()
     b, t, e = hidden.shape
     chunk = head_chunk(t, chunk)
@@ -88,23 +91,28 @@ def head_chunk(t: int, chunk: int) -> int:
 
 
 def _window_hidden(model: Qwen2, inputs: jax.Array, start: jax.Array, width: int, group: int,
-                   layers) -> jax.Array:
-    """Hidden states [N, R] at input positions start[b] + j, j < R = `width`."""
+                   layers, residual: jax.Array | None = None) -> jax.Array:
+    """Hidden states [N, R] at input positions start[b] + j, j < R = `width` (from `residual`
+    entering `layers[0]` when given, see `token_logprobs`)."""
     n, t = inputs.shape
     prefix = t - width  # the longest shared prefix
     start = jnp.minimum(start, prefix)  # as dynamic_slice would clamp it (and the prefix's cache must agree)
     cut = lambda x: jax.vmap(lambda row, s: jax.lax.dynamic_slice_in_dim(row, s, width))(x, start)
     if group == 1 or prefix == 0:
-        hidden, _ = model.hidden_states(inputs, layers=layers)
+        hidden, _ = model.hidden_states(inputs, layers=layers, residual=residual)
         return cut(hidden)
     if n % group:
         raise ValueError(f"{n} rows do not split into groups of {group} sharing a prompt")
     first = lambda x: x.reshape(n // group, group, *x.shape[1:])[:, 0]
     cache = model.init_cache(n // group, t, per_layer=layers is not None)
+    if layers is not None:  # the run of layers given (the top ones with `residual`), not the model's depth
+        cache = dataclasses.replace(cache, k=cache.k[:len(layers)], v=cache.v[:len(layers)])
+    pre, win = (None, None) if residual is None else (first(residual)[:, :prefix], cut(residual))
     # Slots past a row's start hold prefix padding; its window overwrites or masks them.
     _, cache = model.hidden_states(first(inputs)[:, :prefix], cache=cache, num_new=first(start), window=0,
-                                   layers=layers)
-    hidden, _ = model.hidden_states(cut(inputs), cache=cache.repeat_rows(group), window=prefix, layers=layers)
+                                   layers=layers, residual=pre)
+    hidden, _ = model.hidden_states(cut(inputs), cache=cache.repeat_rows(group), window=prefix, layers=layers,
+                                    residual=win)
     return hidden
 
 

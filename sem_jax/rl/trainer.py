@@ -19,9 +19,10 @@ from sem_jax.model import lora as lora_lib
 from sem_jax.rl.loss import GRPOConfig, grpo_loss, token_logprobs
 from sem_jax.sharding import put, replicated
 
-# What `token_logprobs` reads from a batch; "start" (a response window per row, `build_batch`) and
-# "segment_ids" (packed supervised rows, `sft.pack`) are optional.
-LOGPROB_KEYS = ("inputs", "targets", "start", "segment_ids")
+# What `token_logprobs` reads from a batch; "start" (a response window per row, `build_batch`),
+# "segment_ids" (packed supervised rows, `sft.pack`) and "resid" (the residual stream the sampler
+# kept at the lowest adapted layer: a LoRA trainer starts there) are optional.
+LOGPROB_KEYS = ("inputs", "targets", "start", "segment_ids", "resid")
 OBJECTIVES = ("grpo", "nll")
 
 
@@ -95,7 +96,9 @@ class Trainer:
     frozen argument of `update` (`base=`), never donated or updated. With per-layer weights the
     layers below the lowest adapted one are built from the base alone, so the backward pass
     stops there; under the layer scan the adapters are merged into the stacked kernels (exact
-    gradients, the backward through every layer).
+    gradients, the backward through every layer). A batch with "resid" (the residual stream
+    entering the lowest adapted layer, as the sampler computed it) runs only the layers from
+    there, for the update and the reference pass alike: the frozen layers are not run again.
     """
 
     def __init__(self, model: Any, grpo: GRPOConfig, optim: OptimConfig, *, micro_batch: int,
@@ -137,14 +140,17 @@ class Trainer:
         if adapters is not None and not self.per_layer:
             params = lora_lib.merge(self.lora, params, adapters)
         model = nnx.merge(self.graphdef, params)
+        residual = None
         if self.per_layer:
             layers = model.layer_list()
             if adapters is not None:
                 layers = lora_lib.layer_weights(self.lora, layers, adapters)
+            if self.lora is not None and "resid" in mb:  # the layers below ran in the sampler
+                layers, residual = layers[self.lora.first:], mb["resid"]
         start = mb.get("start")
         return token_logprobs(model, mb["inputs"], mb["targets"], self.chunk, segment_ids=mb.get("segment_ids"),
                               layers=layers, start=start, group=1 if start is None else self.share,
-                              unroll_head=self.unroll_head)
+                              unroll_head=self.unroll_head, residual=residual)
 
     def _update(self, params, opt_state, batch, ref_logprobs, base=None):
         def loss_fn(p, mb):

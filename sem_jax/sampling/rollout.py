@@ -73,6 +73,9 @@ class Trajectory:
     text: str                  # the decoded response (special tokens dropped)
     end_reason: str            # "eos", "length" or "search_limit"
     seconds: float = 0.0       # from admission to end
+    # [p + n - 1, E]: the residual stream entering the sampler's `resid_layer` at every input position
+    # (prompt and response but the last token), where the sampler keeps it; else None.
+    resid: np.ndarray | None = None
 
 
 @dataclasses.dataclass
@@ -342,6 +345,7 @@ def _collect(sampler: Sampler, state, resp: np.ndarray, lens: np.ndarray, tokeni
     """The trajectories of the rows that ended in `finished` slots (padding rows dropped); `resp`
     and `lens`: this process's slots' responses and lengths, already read."""
     lp, sampled, eos = (sampler.local(x) for x in (state.resp_logprob, state.resp_sampled, state.eos))
+    resid = None if state.cache.resid is None else sampler.local(state.cache.resid)
     now = time.perf_counter()
     for s in finished:
         row = int(slot_row[s])
@@ -356,7 +360,8 @@ def _collect(sampler: Sampler, state, resp: np.ndarray, lens: np.ndarray, tokeni
             prompt_index=row // g, prompt_ids=list(prompts[row // g]), response_ids=ids, loss_mask=mask,
             logprobs=lp[s, :n].astype(np.float32), num_searches=rec.searches, queries=rec.queries,
             text=response_text(tokenizer, ids), end_reason=reason,
-            seconds=now - rec.admitted)
+            seconds=now - rec.admitted,
+            resid=None if resid is None else resid[s, :len(prompts[row // g]) + n - 1].copy())
         if t.num_searches:
             stats.searched_tokens += int(mask.sum())
             stats.searched_s += t.seconds

@@ -21,7 +21,7 @@ from flax import nnx
 
 from sem_jax import hosts
 from sem_jax.kernels.dispatch import head_candidates, per_layer_default
-from sem_jax.model.qwen2 import HEAD_LOGITS_AXES, KVCache, Qwen2, cache_axes
+from sem_jax.model.qwen2 import HEAD_LOGITS_AXES, RESID_AXES, KVCache, Qwen2, cache_axes
 from sem_jax.sharding import constrain, logical_to_spec, put, shard_params, shards
 from sem_jax.sampling.stop import StopAutomaton
 
@@ -296,9 +296,11 @@ def _extend_last(model: Qwen2, layers, tokens, cache, n, window: int) -> tuple[j
     return jnp.take_along_axis(hidden, jnp.maximum(n - 1, 0)[:, None, None], 1)[:, 0], cache
 
 
-def _prefilled(model: Qwen2, layers, prompts, lengths, cache_len: int, cache_dtype) -> tuple[jax.Array, KVCache]:
+def _prefilled(model: Qwen2, layers, prompts, lengths, cache_len: int, cache_dtype,
+               resid_layer: int = -1) -> tuple[jax.Array, KVCache]:
     """Each prompt's last hidden state [P, E] and its cache of `cache_len` positions."""
-    cache = model.init_cache(prompts.shape[0], cache_len, cache_dtype, per_layer=layers is not None)
+    kept = dict(resid_layer=resid_layer) if resid_layer >= 0 else {}
+    cache = model.init_cache(prompts.shape[0], cache_len, cache_dtype, per_layer=layers is not None, **kept)
     return _extend_last(model, layers, prompts, cache, lengths, window=0)  # nothing to read yet
 
 
@@ -314,10 +316,10 @@ def _prompt_array(prompts: Sequence[Sequence[int]], count: int, width: int) -> t
 
 
 def _prefill(graphdef, params, layers, prompts, lengths, key, *, group_size: int, cache_len: int,
-             resp_len: int, cache_dtype) -> SamplerState:
+             resp_len: int, cache_dtype, resid_layer: int = -1) -> SamplerState:
     """Prefill each prompt once into G rows (row = prompt * G + g, over every process's rows)."""
     model: Qwen2 = nnx.merge(graphdef, params)
-    last, cache = _prefilled(model, layers, prompts, lengths, cache_len, cache_dtype)
+    last, cache = _prefilled(model, layers, prompts, lengths, cache_len, cache_dtype, resid_layer)
     # Each prompt is prefilled once; its cache is copied to its G group members.
     b = prompts.shape[0] * group_size
     return _laid_out(SamplerState(
@@ -340,7 +342,8 @@ def _rows_laid_out(x: jax.Array) -> jax.Array:
 def _cache_laid_out(cache: KVCache) -> KVCache:
     k_axes, v_axes = cache_axes(cache.per_layer)
     kv = lambda c, axes: jax.tree.map(lambda x: constrain(x, axes), c)
-    return KVCache(k=kv(cache.k, k_axes), v=kv(cache.v, v_axes), lengths=_rows_laid_out(cache.lengths))
+    return dataclasses.replace(cache, k=kv(cache.k, k_axes), v=kv(cache.v, v_axes), lengths=_rows_laid_out(cache.lengths),
+                               resid=None if cache.resid is None else constrain(cache.resid, RESID_AXES))
 
 
 def _laid_out(state: SamplerState) -> SamplerState:
@@ -351,21 +354,24 @@ def _laid_out(state: SamplerState) -> SamplerState:
     return SamplerState(cache=_cache_laid_out(state.cache), key=state.key, **fields)
 
 
-def _prompt_cache(graphdef, params, layers, prompts, lengths, *, cache_dtype) -> tuple[KVCache, jax.Array]:
+def _prompt_cache(graphdef, params, layers, prompts, lengths, *, cache_dtype,
+                  resid_layer: int = -1) -> tuple[KVCache, jax.Array]:
     """Each prompt prefilled once, into a cache of its own [P, W], and its last hidden state [P, E]:
     what `_admit` copies into the slots that take the prompt, however many and whenever."""
-    last, cache = _prefilled(nnx.merge(graphdef, params), layers, prompts, lengths, prompts.shape[1], cache_dtype)
+    last, cache = _prefilled(nnx.merge(graphdef, params), layers, prompts, lengths, prompts.shape[1], cache_dtype,
+                             resid_layer)
     return _cache_laid_out(cache), _rows_laid_out(last)
 
 
 def _empty(graphdef, params, key, *, slots: int, cache_len: int, resp_len: int, cache_dtype,
-           per_layer: bool) -> SamplerState:
+           per_layer: bool, resid_layer: int = -1) -> SamplerState:
     """`slots` empty slots (done, no row) with a cache of `cache_len` positions each: rows come in
     through `_admit`."""
     model: Qwen2 = nnx.merge(graphdef, params)
     e = model.config.hidden_size
     return _laid_out(SamplerState(
-        cache=model.init_cache(slots, cache_len, cache_dtype, per_layer=per_layer),
+        cache=model.init_cache(slots, cache_len, cache_dtype, per_layer=per_layer,
+                               **(dict(resid_layer=resid_layer) if resid_layer >= 0 else {})),
         hidden=jnp.zeros((slots, e), cache_dtype), **_fresh_rows(slots, resp_len), done=jnp.ones((slots,), bool),
         row=jnp.full((slots,), -1, jnp.int32), key=key))
 
@@ -390,10 +396,12 @@ def _admit(state: SamplerState, small: KVCache, last, src, rows) -> SamplerState
         v = tuple(put(a, b, 0, 2) for a, b in zip(cache.v, small.v))
     else:
         k, v = put(cache.k, small.k, 1, 2), put(cache.v, small.v, 1, 2)
+    resid = None if cache.resid is None else put(cache.resid, small.resid, 0, 1)
     fresh = _fresh_rows(state.resp.shape[0], state.resp.shape[1])
     pick = lambda new, old: jnp.where(take.reshape((-1,) + (1,) * (old.ndim - 1)), new, old)
     return dataclasses.replace(
-        state, cache=KVCache(k=k, v=v, lengths=pick(jnp.take(small.lengths, at), cache.lengths)),
+        state, cache=dataclasses.replace(cache, k=k, v=v, lengths=pick(jnp.take(small.lengths, at), cache.lengths),
+                                         resid=resid),
         hidden=pick(jnp.take(last, at, axis=0), state.hidden),
         **{name: pick(x, getattr(state, name)) for name, x in fresh.items() if name not in ("resp", "resp_logprob",
                                                                                            "resp_sampled")},
@@ -460,8 +468,9 @@ def _decode(graphdef, params, layers, state: SamplerState, stop_table, eos_ids, 
     span = window + 1
     buffered = full.per_layer and span < full.max_length
     if buffered:
-        state = dataclasses.replace(state, cache=KVCache(
-            k=tuple(k[..., :span] for k in full.k), v=tuple(v[:, :, :span] for v in full.v), lengths=full.lengths))
+        state = dataclasses.replace(state, cache=dataclasses.replace(
+            full, k=tuple(k[..., :span] for k in full.k), v=tuple(v[:, :, :span] for v in full.v),
+            resid=None if full.resid is None else full.resid[:, :span]))
 
     def cond(carry):
         step, _, s = carry
@@ -476,8 +485,10 @@ def _decode(graphdef, params, layers, state: SamplerState, stop_table, eos_ids, 
     steps, busy, state = jax.lax.while_loop(cond, body, (jnp.int32(0), jnp.int32(0), state))
     if buffered:
         back = lambda whole, part: tuple(jax.lax.dynamic_update_slice(w, p, (0,) * w.ndim) for w, p in zip(whole, part))
-        state = dataclasses.replace(state, cache=KVCache(k=back(full.k, state.cache.k), v=back(full.v, state.cache.v),
-                                                         lengths=state.cache.lengths))
+        resid = None if full.resid is None else back((full.resid,), (state.cache.resid,))[0]
+        state = dataclasses.replace(state, cache=dataclasses.replace(
+            full, k=back(full.k, state.cache.k), v=back(full.v, state.cache.v), lengths=state.cache.lengths,
+            resid=resid))
     return state, _progress(state, steps, busy, stopped(state))
 
 
@@ -518,15 +529,17 @@ def _refill(graphdef, params, layers, state: SamplerState, sel, ids, n, end_rows
 def _rows_of(cache: KVCache, sel) -> KVCache:
     axis = 0 if cache.per_layer else 1
     take = lambda x: jnp.take(x, sel, axis=axis, mode="clip")
-    return KVCache(k=jax.tree.map(take, cache.k), v=jax.tree.map(take, cache.v),
-                   lengths=jnp.take(cache.lengths, sel, mode="clip"))
+    return dataclasses.replace(cache, k=jax.tree.map(take, cache.k), v=jax.tree.map(take, cache.v),
+                               lengths=jnp.take(cache.lengths, sel, mode="clip"),
+                               resid=None if cache.resid is None else jnp.take(cache.resid, sel, axis=0, mode="clip"))
 
 
 def _put_rows(cache: KVCache, sel, part: KVCache) -> KVCache:
     def put(x, y):
         return x.at[sel].set(y, mode="drop") if cache.per_layer else x.at[:, sel].set(y, mode="drop")
-    return KVCache(k=jax.tree.map(put, cache.k, part.k), v=jax.tree.map(put, cache.v, part.v),
-                   lengths=cache.lengths.at[sel].set(part.lengths, mode="drop"))
+    return dataclasses.replace(cache, k=jax.tree.map(put, cache.k, part.k), v=jax.tree.map(put, cache.v, part.v),
+                               lengths=cache.lengths.at[sel].set(part.lengths, mode="drop"),
+                               resid=None if cache.resid is None else cache.resid.at[sel].set(part.resid, mode="drop"))
 
 
 def _append(model: Qwen2, layers, state: SamplerState, sel, ids, n, end_rows, resume, window: int,
@@ -591,13 +604,13 @@ def _cast_wider(params, dtype):
 # The compiled step functions (graph definition static; weights and state as arguments, the
 # state donated). Module-level so that compile-only checks can lower them without a Sampler.
 prefill_step = jax.jit(_prefill, static_argnums=0,
-                       static_argnames=("group_size", "cache_len", "resp_len", "cache_dtype"))
+                       static_argnames=("group_size", "cache_len", "resp_len", "cache_dtype", "resid_layer"))
 decode_loop = jax.jit(_decode, static_argnums=0, static_argnames=("cfg", "window"), donate_argnums=3)
 insert_step = jax.jit(_insert, static_argnums=0, static_argnames=("window", "chunk"), donate_argnums=3)
 refill_step = jax.jit(_refill, static_argnums=0, static_argnames=("window", "chunk"), donate_argnums=3)
-prompt_cache = jax.jit(_prompt_cache, static_argnums=0, static_argnames=("cache_dtype",))
+prompt_cache = jax.jit(_prompt_cache, static_argnums=0, static_argnames=("cache_dtype", "resid_layer"))
 empty_state = jax.jit(_empty, static_argnums=0,
-                      static_argnames=("slots", "cache_len", "resp_len", "cache_dtype", "per_layer"))
+                      static_argnames=("slots", "cache_len", "resp_len", "cache_dtype", "per_layer", "resid_layer"))
 layer_list = jax.jit(lambda graphdef, params: nnx.merge(graphdef, params).layer_list(transposed=True),
                      static_argnums=0)
 progress = jax.jit(_progress)
@@ -622,17 +635,21 @@ class Sampler:
     back, through `local`) only its own rows; widths are agreed between processes so that
     every process makes the same compiled calls (`sem_jax.hosts`). The weights are placed in the
     mesh's layout by their logical axes, whatever layout they arrive in.
+
+    `resid_layer` >= 0 (per-layer only): the cache keeps the residual stream entering that layer
+    at every position (`KVCache.resid`), for a LoRA update that starts there (`resid_of`).
     """
 
     def __init__(self, model: Qwen2, stop: StopAutomaton, cfg: SamplingConfig,
                  max_steps_per_call: int | None = None, mesh: jax.sharding.Mesh | None = None,
                  calls: hosts.CallLog | None = None, window_steps: int = 32, per_layer: bool | None = None,
-                 max_prompt_tokens: int | None = None, insert_chunk: int = INSERT_CHUNK):
+                 max_prompt_tokens: int | None = None, insert_chunk: int = INSERT_CHUNK, resid_layer: int = -1):
         self.graphdef, params = nnx.split(model)
         self.cache_dtype = model.dtype
         self.mesh = mesh
         self.max_prompt_tokens = max_prompt_tokens  # longer prompts are refused, not compiled for
         self.per_layer = per_layer_default(sampler=True) if per_layer is None else per_layer
+        self.resid_layer = resid_layer if self.per_layer else -1  # the layer scan keeps no residual
         self.set_params(params)
         self.config = cfg
         self.calls = calls or hosts.CallLog(False)
@@ -700,7 +717,8 @@ class Sampler:
         with self._on_mesh():
             return prefill_step(self.graphdef, self.params, self.layers, self._rows(arr), self._rows(lengths), key,
                                 group_size=group_size, cache_len=width + self.config.response_tokens,
-                                resp_len=self.config.response_tokens, cache_dtype=self.cache_dtype)
+                                resp_len=self.config.response_tokens, cache_dtype=self.cache_dtype,
+                                resid_layer=self.resid_layer)
 
     def _window(self, state: SamplerState, need: int) -> int:
         """Cache slots attention reads when rows hold up to `need` (a bucket, at most all)."""
@@ -714,7 +732,7 @@ class Sampler:
             return empty_state(self.graphdef, self.params, self.replicated(key),
                                slots=slots * jax.process_count(), cache_len=prompt_width + self.config.response_tokens,
                                resp_len=self.config.response_tokens, cache_dtype=self.cache_dtype,
-                               per_layer=self.per_layer)
+                               per_layer=self.per_layer, resid_layer=self.resid_layer)
 
     def decode(self, state: SamplerState, max_steps: int | None = None,
                script: jax.Array | None = None) -> SamplerState:
@@ -817,7 +835,7 @@ class Sampler:
         self.calls.record("prefill prompts", arr)
         with self._on_mesh():
             return prompt_cache(self.graphdef, self.params, self.layers, self._rows(arr), self._rows(lengths),
-                                cache_dtype=self.cache_dtype)
+                                cache_dtype=self.cache_dtype, resid_layer=self.resid_layer)
 
     def can_narrow(self) -> bool:
         """Whether `narrow` keeps every row on its device: one process, a batch that is not split."""
