@@ -81,8 +81,8 @@ def result_text(body: str) -> str:
 def result_block(query: str, passages: Sequence[Passage], tokenizer, max_tokens_per_passage: int,
                  title_tokens: int | None = None) -> str:
     """The block inserted after `<search>query</search>`; a blank query is told how to ask."""
-    if not query.strip():
-        passages = [Passage(id="", title="", text=NO_QUERY)]
+    if not query.strip():  # the protocol's own words, not retrieved text: not made inert
+        return result_text(f"(1) {chat.cut_to_tokens(NO_QUERY, tokenizer, max_tokens_per_passage)}")
     return format_results(passages, tokenizer, max_tokens_per_passage, title_tokens)
 
 
