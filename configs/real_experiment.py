@@ -22,17 +22,18 @@ So 80 rows of a 384-token budget should take about 2 s a step:
   cache in OUT/xla_cache.
 
 `cpu` is the experiment sized for a 2-core CPU with LoRA (rank 16 on every projection of the top
-4 of 24 layers; the update's backward stops there): 20 GRPO steps of 4 prompts x 4 per protocol, 48
-questions of each data set in the policy mode. A step of that shape (320 prompt tokens, 192
-sampled) took 212 s here with LoRA (`scripts/bench_lora.py`: rollout 98, reference 32, update 83);
-the experiment's responses are shorter (a first answer, at most one search), so the headline
-stages (data, warm start, SEM, the evaluation of the warm start and of SEM) should take about 2
-hours and the whole experiment about 4. Sizes chosen for that budget:
+4 of 24 layers; the update starts from the residual stream the sampler kept there): 30 GRPO steps
+of 4 prompts x 4 per protocol, 48 questions of each data set in the policy mode. A step of that
+shape (320 prompt tokens, 192 sampled) takes about 100 s here (`scripts/bench_lora.py`: rollout 60,
+reference 8, update 30); the experiment's responses are shorter (a first answer, at most one
+search), so the headline stages (data, warm start, SEM, the evaluation of the warm start and of
+SEM) should take about 1.5 hours and the whole experiment about 3. Sizes chosen for that budget:
 - group 4 (16 rows a step, the least the goal allows), 160 sampled tokens, one search of 2
   passages of 48 tokens: a first answer and one search fit, the rollout is most of a step;
-- beta 0: the reference pass is a forward over every token (a sixth of a step here), and LoRA's
-  rank already bounds how far the policy moves;
-- lr 1e-4 (LoRA wants about 10x a full fine-tune's; 20 steps must move it);
+- beta 0: LoRA's rank already bounds how far the policy moves (and the reference pass is a
+  tenth of a step);
+- lr 1e-4 (LoRA wants about 10x a full fine-tune's; 30 steps must move it);
+- the warm start packs 2 rows of 1024 tokens (a prompt, a search and an answer fit);
 - the policy mode only (`experiment.modes`): the direct and naive-RAG modes would double the
   evaluation, and the goal's checks read the policy mode;
 - GRPO's own evaluation only at its end, on 8 questions (the eval stages score the policies).
@@ -92,10 +93,10 @@ def get_config(variant: str = "gpu"):
         c.optim.lr = 1e-4
         c.optim.warmup_steps = 2
         c.sft.update(traces=192, steps=24, rows=2, width=1024, lr=2e-4, eval=False)  # a prompt, a search, an answer
-        c.train.total_steps = 20
+        c.train.total_steps = 30
         c.train.eval_every = 0
         c.train.eval_at_start = False
-        c.train.ckpt_every = 2
+        c.train.ckpt_every = 3
         c.experiment.update(mmlu_eval=48, gsm8k_eval=48, multihop_eval=48, modes="policy")
     if variant == "smoke":
         c.model.compute_dtype = "float32"   # bf16 matmuls are slow on XLA:CPU

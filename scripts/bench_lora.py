@@ -32,7 +32,8 @@ PROMPTS, G, PROMPT_LEN, NEW, MICRO = 4, 4, 320, 192, 8
 BETA = 0.001
 
 
-def one_setting(path: str, rank: int, layers: int, iters: int, args_full_forward: bool = False) -> dict:
+def one_setting(path: str, rank: int, layers: int, iters: int, args_full_forward: bool = False,
+                beta: float = BETA) -> dict:
     """This process's timings for one setting (rank 0: the full fine-tune; `args_full_forward`:
     LoRA without the sampler's residual stream, the update running every layer)."""
     import jax
@@ -56,7 +57,7 @@ def one_setting(path: str, rank: int, layers: int, iters: int, args_full_forward
     # As training runs it: the sampler keeps the residual entering the lowest adapted layer.
     sampler = Sampler(model, never, SamplingConfig(max_new_tokens=NEW, temperature=1.0),
                       resid_layer=spec.first if spec and not args_full_forward else -1)
-    trainer = Trainer(model, GRPOConfig(beta=BETA, clip_eps=0.2), OptimConfig(lr=1e-5, grad_clip=1.0),
+    trainer = Trainer(model, GRPOConfig(beta=beta, clip_eps=0.2), OptimConfig(lr=1e-5, grad_clip=1.0),
                       micro_batch=MICRO, group_size=G, lora=spec)
     _, params = nnx.split(model)
     del model
@@ -64,7 +65,7 @@ def one_setting(path: str, rank: int, layers: int, iters: int, args_full_forward
         base, ref = params, params
         params = lora_lib.init_adapters(spec, cfg)
     else:
-        base, ref = None, jax.tree.map(jnp.copy, params)
+        base, ref = None, jax.tree.map(jnp.copy, params) if beta else None
     opt = trainer.init_opt_state(params)
     prompts = np.random.RandomState(1).randint(0, cfg.vocab_size - 1000, (PROMPTS, PROMPT_LEN))
     rng = np.random.RandomState(0)
@@ -107,31 +108,44 @@ def main(argv=None) -> int:
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--layers", type=int, default=4, help="top layers with adapters")
     ap.add_argument("--out", default="bench_lora.json")
+    ap.add_argument("--beta", type=float, default=BETA, help="KL coefficient (0: no reference pass or copy)")
+    ap.add_argument("--settings", default="lora,lora_full_forward,full", help="which settings to run")
     ap.add_argument("--one", help=argparse.SUPPRESS)  # "rank,layers,full_forward": one setting here, its JSON
     args = ap.parse_args(argv)
     if args.one:
         rank, layers, full_forward = map(int, args.one.split(","))
-        print(json.dumps(one_setting(args.model, rank, layers, args.iters, bool(full_forward))))
+        print(json.dumps(one_setting(args.model, rank, layers, args.iters, bool(full_forward), args.beta)))
         return 0
     results = {}
+    wanted = args.settings.split(",")
     for name, rank, full_forward in (("lora", args.rank, 0), ("lora_full_forward", args.rank, 1), ("full", 0, 0)):
+        if name not in wanted:
+            continue
         print(f"{name} (rank {rank}, top {args.layers} layers)" if rank else name, flush=True)
         proc = subprocess.run([sys.executable, __file__, "--model", args.model, "--iters", str(args.iters),
-                               "--one", f"{rank},{args.layers},{full_forward}"], stdout=subprocess.PIPE, text=True,
-                              check=True)
+                               "--beta", str(args.beta), "--one", f"{rank},{args.layers},{full_forward}"],
+                              stdout=subprocess.PIPE, text=True)
+        if proc.returncode:  # killed for memory, say: recorded, the other settings still run
+            results[name] = {"failed": f"exit {proc.returncode}"}
+            print(f"  failed: exit {proc.returncode}", flush=True)
+            continue
         results[name] = json.loads(proc.stdout.strip().splitlines()[-1])
         print(f"  {json.dumps(results[name])}", flush=True)
-    full, lora = results["full"], results["lora"]
-    ratios = {k: full[f"{k}_s"] / lora[f"{k}_s"] for k in ("after_rollout", "update", "total")}
-    ratios["residual_vs_full_forward_after_rollout"] = (results["lora_full_forward"]["after_rollout_s"]
-                                                        / lora["after_rollout_s"])
+    ok = {k: v for k, v in results.items() if "failed" not in v}
+    ratios = {}
+    if "full" in ok and "lora" in ok:
+        full, lora = ok["full"], ok["lora"]
+        ratios = {k: full[f"{k}_s"] / lora[f"{k}_s"] for k in ("after_rollout", "update", "total")}
+        print(f"full fine-tune / LoRA: after the rollout x{ratios['after_rollout']:.2f}, whole step "
+              f"x{ratios['total']:.2f}; peak memory {full['peak_rss_gib']:.1f} vs {lora['peak_rss_gib']:.1f} GiB",
+              flush=True)
+    if "lora_full_forward" in ok and "lora" in ok:
+        ratios["residual_vs_full_forward_after_rollout"] = (ok["lora_full_forward"]["after_rollout_s"]
+                                                            / ok["lora"]["after_rollout_s"])
     report = dict(machine=dict(platform=platform.platform(), cpus=os.cpu_count()),
                   workload=dict(checkpoint=args.model, prompts=PROMPTS, group=G, prompt_len=PROMPT_LEN, new_tokens=NEW,
-                                micro_batch=MICRO, beta=BETA, lora_rank=args.rank, lora_layers=args.layers),
-                  full=full, lora=lora, lora_full_forward=results["lora_full_forward"], speedup=ratios)
-    print(f"after the rollout (reference + update): full {full['after_rollout_s']:.1f}s, LoRA {lora['after_rollout_s']:.1f}s "
-          f"-> x{ratios['after_rollout']:.2f}; whole step: {full['total_s']:.1f}s vs {lora['total_s']:.1f}s -> "
-          f"x{ratios['total']:.2f}; peak memory {full['peak_rss_gib']:.1f} vs {lora['peak_rss_gib']:.1f} GiB", flush=True)
+                                micro_batch=MICRO, beta=args.beta, lora_rank=args.rank, lora_layers=args.layers),
+                  **results, speedup=ratios)
     with open(args.out, "w") as fh:
         json.dump(report, fh, indent=2)
     print(f"wrote {args.out}")

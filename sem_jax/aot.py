@@ -31,6 +31,7 @@ from sem_jax import measure, roofline
 from sem_jax.assemble import abstract_model, build, inserted_tokens, model_config
 from sem_jax.config import parse_flags
 from sem_jax.model import Qwen2Config
+from sem_jax.model import lora as lora_lib
 from sem_jax.programs import (cost, hbm_per_device, narrower, placed, rows_on, sampler_layers, target_devices,
                               trainer_bytes)
 from sem_jax.rl.batch import widest_batch
@@ -85,6 +86,9 @@ def check(config: Config, topology: str | None = None, hbm_gib: float | None = N
     rows_n = config.data.prompts_per_step * g
     out: list[Row] = []
     with jax.set_mesh(mesh):
+        base = None
+        if trainer.lora is not None:  # the adapters train, whole on every device; the base is frozen
+            base, params = params, lora_lib.abstract_adapters(trainer.lora, mcfg, mesh)
         opt_shapes = jax.eval_shape(trainer.tx.init, params)
         opt = placed(opt_shapes, match_param_shardings(opt_shapes, params, mesh))
         # The widest batch `build_batch` makes: the prompts' cap, the sampled budget and the room for
@@ -93,14 +97,15 @@ def check(config: Config, topology: str | None = None, hbm_gib: float | None = N
         batch = {k: arr(shape, dt) for k, (shape, dt) in
                  widest_batch(rows_n, config.data.max_prompt_tokens, s.sampling.response_tokens).items()}
         ref = arr(batch["targets"].shape, jnp.float32) if s.grpo.beta > 0 else None
-        out.append(_compile("grpo update", trainer.update_fn.lower(params, opt, batch, ref))[0])
+        out.append(_compile("grpo update", trainer.update_fn.lower(params, opt, batch, ref, base))[0])
         if ref is not None:
             lp_in = {k: batch[k] for k in LOGPROB_KEYS if k in batch}  # no packed rows in GRPO
-            ref_params = abstract_model(config, mcfg, mesh, narrower(dtype, compute))[2]  # train.reference_weights
+            # train.reference_weights; with LoRA the base itself
+            ref_params = base if base is not None else abstract_model(config, mcfg, mesh, narrower(dtype, compute))[2]
             out.append(_compile("reference logprobs", trainer.logprobs_fn.lower(ref_params, lp_in))[0])
     # The rollout runs beside the trainer's state; sem_jax.evaluate holds nothing but the sampler's
     # own arguments.
-    trainer_state = trainer_bytes(params, opt, config)
+    trainer_state = trainer_bytes(params, opt, config, base)
     p = config.data.prompts_per_step
     # The sampler casts the weights to the compute dtype (`compute_weights`) in its own layout
     # (`build_rollout_mesh`); sem_jax.evaluate samples greedily, one row per question, from

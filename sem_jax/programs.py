@@ -76,9 +76,12 @@ def device_bytes(tree) -> int:
     return sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(tree))
 
 
-def trainer_bytes(params, opt, config: Config) -> int:
+def trainer_bytes(params, opt, config: Config, base=None) -> int:
     """What the trainer holds per device between its calls (beside the rollout): the parameters,
-    the optimizer state and, with rl.beta > 0, the reference weights in the compute dtype."""
+    the optimizer state and, with rl.beta > 0, the reference weights in the compute dtype; with
+    LoRA (`params` the adapters) the frozen `base`, which is the reference too."""
+    if base is not None:
+        return device_bytes(base) + device_bytes(params) + device_bytes(opt)
     ref = 0
     if config.rl.beta > 0:
         dtype, compute = jnp.dtype(config.model.dtype), jnp.dtype(config.model.compute_dtype)

@@ -55,6 +55,7 @@ from flax import nnx
 
 from sem_jax.assemble import abstract_model, build, build_trainer, inserted_tokens, micro_batch
 from sem_jax.hosts import batch_shards
+from sem_jax.errors import Refused
 from sem_jax.programs import (Filled, Program, cost, device_bytes, narrower, placed, rows_on, sampler_layers,
                               trainer_bytes)
 from sem_jax.model import Qwen2Config, param_shapes
@@ -249,6 +250,9 @@ MEASURED_STEPS = 32
 def analyse(config: Config, devices: list) -> tuple[list[Call], dict, dict[str, Program]]:
     """Compile every call of a step for `devices` (see the module docstring). Returns the calls,
     the step's shapes, and each call's program as the step runs it (`sem_jax.measure`)."""
+    if config.lora.rank:
+        raise Refused("sem_jax.roofline counts a full fine-tune's calls; for a LoRA config (lora.rank > 0) "
+                      "check the fit with sem_jax.aot")
     run = build(config, "compile", devices=devices)
     mesh, rollout_mesh, s, mcfg = run.mesh, run.rollout_mesh, run.settings, run.model_config
     if mcfg.num_layers < 2:

@@ -94,6 +94,13 @@ def init_adapters(spec: LoraSpec, cfg: Qwen2Config, seed: int = 0) -> dict[str, 
     return out
 
 
+def abstract_adapters(spec: LoraSpec, cfg: Qwen2Config, mesh: Any) -> dict:
+    """`init_adapters`' shapes as abstract arrays whole on every device of `mesh` (compile-only checks)."""
+    whole = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=whole),
+                        jax.eval_shape(lambda: init_adapters(spec, cfg)))
+
+
 def delta(spec: LoraSpec, adapter: dict[str, jax.Array], shape: tuple[int, ...]) -> jax.Array:
     """scale * A @ B for every adapted layer, shaped as the stacked kernel's layers [n, *shape[1:]]."""
     d = jnp.einsum("lir,lro->lio", adapter["a"], adapter["b"]) * spec.scale
@@ -189,5 +196,5 @@ def peft_config(spec: LoraSpec, base_path: str | None) -> dict[str, Any]:
             "init_lora_weights": True, "base_model_name_or_path": base_path, "inference_mode": True}
 
 
-__all__ = ["LoraSpec", "TARGETS", "check_base", "delta", "fingerprint", "init_adapters", "layer_weights",
+__all__ = ["LoraSpec", "TARGETS", "abstract_adapters", "check_base", "delta", "fingerprint", "init_adapters", "layer_weights",
            "matrix_dims", "merge", "peft_config", "peft_tensors", "spec_of"]
