@@ -36,7 +36,7 @@ from sem_jax.rl.loss import GRPOConfig
 from sem_jax.rl.trainer import OptimConfig, Trainer
 from sem_jax.sampling import RolloutConfig, Sampler, SamplingConfig, build_stop_automaton
 from sem_jax.rewards.rules import RewardParams, check_sem_params, get_reward
-from sem_jax.settings import Config
+from sem_jax.settings import Config, ConfigError
 from sem_jax.sharding import make_mesh, named_sharding, replicated, tensor_groups
 
 
@@ -381,6 +381,10 @@ def build(config: Config, purpose: str, *, devices: Sequence | None = None, resu
     if purpose not in PURPOSES:
         raise ValueError(f"purpose={purpose!r}; choose one of {PURPOSES}")
     nproc = 1 if purpose == "compile" else jax.process_count()
+    if purpose == "train" and config.rollout.group_size < 2:  # evaluation samples one row a question
+        raise ConfigError(f"config.rollout.group_size={config.rollout.group_size}: training needs at least 2 (GRPO's "
+                          "advantages compare a question's trajectories: with one, every group ties and no step "
+                          "learns)")
     if purpose == "train" and config.data.prompts_per_step % nproc:  # each process rolls out its share of a step
         raise ValueError(f"data.prompts_per_step={config.data.prompts_per_step} must divide by the {nproc} processes")
     s = settings(config)

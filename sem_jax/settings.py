@@ -113,11 +113,11 @@ class Retrieval:
 
 @dataclasses.dataclass(frozen=True)
 class Rollout:
-    group_size: int = setting(5, low=2, high=BIG, why="GRPO's advantages compare a question's trajectories: with "
-                                                       "one, every group ties and no step learns")
+    group_size: int = setting(5, **POSITIVE)  # training needs at least 2 (assemble.build says why)
     max_searches: int = setting(2, **COUNT)   # answered searches per trajectory
     max_new_tokens: int = setting(128, **POSITIVE)  # sampled tokens; inserted results get room of their own
-    temperature: float = setting(1.0, **RATE)
+    temperature: float = setting(1.0, low=0.0, high=BIG, ends="(]",
+                                 why="sampling divides by it; evaluation decodes greedily whatever it is")
     top_p: float = setting(1.0, low=0.0, high=1.0, ends="(]")
     top_k: int = setting(0, why="0: all tokens", **COUNT)
     # Decode attention reads a window of the KV cache grown in steps of >= this many tokens (each
@@ -183,7 +183,7 @@ class RL:
 
 @dataclasses.dataclass(frozen=True)
 class Optim:
-    lr: float = setting(1e-6, low=0.0, high=1.0)
+    lr: float = setting(1e-6, low=0.0, high=1.0, ends="(]", why="an update of size 0 trains nothing")
     weight_decay: float = setting(0.01, **SHARE)
     b1: float = setting(0.9, low=0.0, high=1.0, ends="[)", why="Adam's decay")
     b2: float = setting(0.999, low=0.0, high=1.0, ends="[)", why="Adam's decay")
@@ -446,7 +446,9 @@ def _check(where: str, value: Any, meta: Any) -> Any:
     above = value > low if ends[0] == "(" else value >= low
     below = value < high if ends[1] == ")" else value <= high
     if not (above and below):
-        if high >= BIG and ends[0] == "[":
+        if high >= BIG and ends[0] == "(":
+            where_ok = f"> {low}"
+        elif high >= BIG:
             where_ok = f">= {low}" if low != 1 or not isinstance(value, int) else "> 0"
         else:
             where_ok = f"in {ends[0]}{low}, {high}{ends[1]}"

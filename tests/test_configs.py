@@ -93,11 +93,13 @@ def test_default_configs_are_the_cpu_ones():
 
 
 @pytest.mark.parametrize("field,value,message", [
-    ("rollout.group_size", 0, "config.rollout.group_size=0: must be >= 2"),
+    ("rollout.group_size", 0, "config.rollout.group_size=0: must be > 0"),
     ("rl.micro_batch", -2, "config.rl.micro_batch=-2: must be > 0"),
     ("train.ckpt_every", 0, "config.train.ckpt_every=0: must be > 0"),
     ("data.prompts_per_step", 0, "config.data.prompts_per_step=0: must be > 0"),
-    ("optim.lr", -1e-6, "config.optim.lr=-1e-06: must be in [0.0, 1.0]"),
+    ("optim.lr", -1e-6, "config.optim.lr=-1e-06: must be in (0.0, 1.0]"),
+    ("optim.lr", 0.0, "config.optim.lr=0.0: must be in (0.0, 1.0] (an update of size 0 trains nothing)"),
+    ("rollout.temperature", 0.0, "config.rollout.temperature=0.0: must be > 0.0 (sampling divides"),
     ("rollout.max_searches", -1, "config.rollout.max_searches=-1: must be >= 0"),
     ("train.total_steps", -5, "config.train.total_steps=-5: must be >= 0"),
     ("sft.steps", 0, "config.sft.steps=0: must be > 0"),
@@ -107,7 +109,6 @@ def test_default_configs_are_the_cpu_ones():
     ("optim.b2", 1.5, "config.optim.b2=1.5: must be in [0.0, 1.0) (Adam's decay)"),
     ("rl.clip_eps_high", -0.1, "config.rl.clip_eps_high=-0.1: must be in [0.0, 10.0]"),
     ("rollout.top_k", -5, "config.rollout.top_k=-5: must be >= 0 (0: all tokens)"),
-    ("rollout.group_size", 1, "config.rollout.group_size=1: must be >= 2 (GRPO's advantages compare"),
     ("sft.lr", 1e30, "config.sft.lr=1e+30: must be in [0.0, 1.0]"),
     ("optim.lr", float("nan"), "config.optim.lr=nan: must be a finite number"),
     ("rollout.top_p", 0.0, "config.rollout.top_p=0.0: must be in (0.0, 1.0]"),
@@ -118,6 +119,16 @@ def test_out_of_range_fields_are_refused_by_name(field, value, message):
     c[section][name] = value
     with pytest.raises(ValueError, match=re.escape(message)):
         load(c)
+
+
+def test_one_trajectory_a_question_is_refused_for_training_not_for_evaluation():
+    """GRPO needs groups of 2 or more; an evaluation samples one greedy row a question whatever it is."""
+    from sem_jax.assemble import build
+    from sem_jax.settings import ConfigError
+    c = load(_load("cpu")).replace(**{"rollout.group_size": 1})
+    with pytest.raises(ConfigError, match=r"config.rollout.group_size=1: training needs at least 2 \(GRPO's "):
+        build(c, "train")
+    assert load(_load("cpu")).replace(**{"rollout.group_size": 1}).rollout.group_size == 1  # loads: evaluate takes it
 
 
 def test_narrowing_a_lockstep_rollout_is_refused():

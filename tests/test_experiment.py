@@ -155,3 +155,35 @@ def test_a_resumed_experiment_must_bring_its_config(tmp_path):
     saved_config(config, str(tmp_path))
     with pytest.raises(ValueError, match=r"changed: rollout\.retrieval_timeout_s"):
         saved_config(config.replace(**{"rollout.retrieval_timeout_s": 5.0}), str(tmp_path))
+
+
+def test_the_experiment_checks_its_inputs_before_pinning_its_config(tmp_path, monkeypatch):
+    """A missing model, data file or matplotlib is named at start, and OUT/experiment.json is not
+    written: the corrected command then runs (it used to be refused as "another config")."""
+    import importlib.util
+
+    from sem_jax.errors import Refused
+    from sem_jax.experiment.pipeline import run_experiment
+    from sem_jax.settings import load
+
+    sys.path.insert(0, os.path.join(REPO, "configs"))
+    import real_experiment
+
+    model, data = tmp_path / "model", tmp_path / "data"
+    config = load(real_experiment.get_config("smoke")).replace(**{"model.path": str(model),
+                                                                  "experiment.data_dir": str(data)})
+    out = tmp_path / "out"
+    with pytest.raises(Refused, match=f"model.path={model}: no config.json there"):
+        run_experiment(config, str(out))
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    with pytest.raises(FileNotFoundError, match="mmlu_test.jsonl: not found; fetch the real data sets first"):
+        run_experiment(config, str(out))
+    data.mkdir()
+    for name in ("mmlu_test.jsonl", "gsm8k_test.jsonl"):
+        (data / name).write_text("")
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "matplotlib" else real(name, *a))
+    with pytest.raises(Refused, match="matplotlib, which is not installed"):
+        run_experiment(config, str(out))
+    assert not (out / "experiment.json").exists()

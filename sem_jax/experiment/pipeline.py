@@ -20,6 +20,7 @@ checkpoint (`train.ckpt_every`), an evaluation from its first unfinished policy.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -29,7 +30,8 @@ import time
 from sem_jax.assemble import build
 from sem_jax.data.questions import load_questions
 from sem_jax.evaluate import evaluate_modes, parse_modes
-from sem_jax.experiment.data import EVAL_SETS, prepare_data
+from sem_jax.errors import Refused
+from sem_jax.experiment.data import EVAL_SETS, prepare_data, real_file
 from sem_jax.experiment.report import write_report
 from sem_jax.settings import Config
 from sem_jax.sft import finetune
@@ -140,6 +142,20 @@ def saved_config(config: Config, out: str) -> None:
                          "resume it with the same config, or choose another --out")
 
 
+def check_inputs(config: Config) -> None:
+    """What the stages read, checked at start: the model directory, the real data files, and
+    matplotlib for the report's curves (in the `demo` extra), each named when missing."""
+    path = config.model.path
+    if not os.path.exists(os.path.join(path, "config.json")):
+        raise Refused(f"model.path={path}: no config.json there; fetch the checkpoint first "
+                      "(scripts/fetch_real_model.py) or point model.path at a Hugging Face directory")
+    for name in ("mmlu_test.jsonl", "gsm8k_test.jsonl"):
+        real_file(config.experiment.data_dir, name)
+    if importlib.util.find_spec("matplotlib") is None:
+        raise Refused("sem_jax.experiment draws its curves with matplotlib, which is not installed: "
+                      "pip install -e '.[demo]'")
+
+
 def run_experiment(config: Config, out: str) -> dict:
     """Every stage into `out` (resuming what a killed run left), each training and evaluation stage
     in a process of its own (all of its memory returned when it ends); returns report.json's content."""
@@ -149,6 +165,7 @@ def run_experiment(config: Config, out: str) -> dict:
     if not config.model.path:
         raise ValueError("sem_jax.experiment trains a pretrained checkpoint: set model.path to its HF directory")
     parse_modes(exp.modes)  # refused now, not after the training
+    check_inputs(config)  # before OUT/experiment.json pins the config: the corrected command must resume
     out = os.path.abspath(out)
     os.makedirs(out, exist_ok=True)
     saved_config(config, out)
