@@ -23,6 +23,7 @@ import sys
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec
 from absl import app, flags
 from absl import logging as absl_logging
 from ml_collections import config_flags
@@ -88,7 +89,7 @@ def check(config: Config, topology: str | None = None, hbm_gib: float | None = N
     with jax.set_mesh(mesh):
         base = None
         if trainer.lora is not None:  # the adapters train, whole on every device; the base is frozen
-            base, params = params, lora_lib.abstract_adapters(trainer.lora, mcfg, mesh)
+            base, params = params, lora_lib.abstract_adapters(trainer.lora, mcfg, NamedSharding(mesh, PartitionSpec()))
         opt_shapes = jax.eval_shape(trainer.tx.init, params)
         opt = placed(opt_shapes, match_param_shardings(opt_shapes, params, mesh))
         # The widest batch `build_batch` makes: the prompts' cap, the sampled budget and the room for

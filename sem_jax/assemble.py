@@ -254,9 +254,7 @@ def restore_policy(config: Config, ckpt: Checkpointer, step: int | None, model: 
         params, got = ckpt.restore_params(step, params)
         nnx.update(model, params)
         return got
-    like = jax.eval_shape(lambda: lora_lib.init_adapters(spec, model.config))
-    sharding = jax.tree.leaves(params)[0].sharding
-    like = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated(sharding)), like)
+    like = lora_lib.abstract_adapters(spec, model.config, replicated(jax.tree.leaves(params)[0].sharding))
     adapters, got = ckpt.restore_params(step, like)
     lora_lib.check_base(ckpt.restore_meta(got).get("lora_base"), lora_lib.fingerprint(params), config.model.path,
                         f"{ckpt.directory} step {got}")

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 from collections.abc import Sequence
 from typing import Any
 
@@ -37,7 +36,7 @@ from sem_jax.model.hf_io import read_config
 from sem_jax.model.tokenizer import load_tokenizer, save_tokenizer
 from sem_jax.settings import Config
 from sem_jax.settings import run_config as settings_of_run
-from sem_jax.whole_dir import scratch_beside, swap_into_place
+from sem_jax.whole_dir import writing
 
 
 def define_flags():
@@ -89,21 +88,17 @@ def write_hf_dir(model: Qwen2, tokenizer, out: str, *, dtype: Any = None, max_sh
     JSON files to add (name -> object). On a multi-host run every process takes part in the
     gathers and process 0 writes."""
     check_out_dir(out, overwrite)
-    main = jax.process_index() == 0
-    tmp = scratch_beside(out) if main else out  # other processes gather the tensors, write nothing
-    try:
-        save_pretrained(model, tmp, dtype=None if dtype is None else jnp.dtype(dtype), max_shard_size=max_shard_size)
-        if not main:
-            return
+    save = lambda tmp: save_pretrained(model, tmp, dtype=None if dtype is None else jnp.dtype(dtype),
+                                       max_shard_size=max_shard_size)
+    if jax.process_index() != 0:
+        save(out)  # the other processes take part in the gathers and write nothing
+        return
+    with writing(out) as tmp:
+        save(tmp)
         save_tokenizer(tokenizer, tmp)
         for name, obj in (extra or {}).items():
             with open(os.path.join(tmp, name), "w") as fh:
                 json.dump(obj, fh, indent=2)
-        swap_into_place(tmp, out)
-    except BaseException:
-        if main:
-            shutil.rmtree(tmp, ignore_errors=True)
-        raise
 
 
 def export(checkpoint: str, out: str, *, step: int | None = None, dtype: str = "bfloat16",
@@ -142,21 +137,15 @@ def export(checkpoint: str, out: str, *, step: int | None = None, dtype: str = "
 def _export_adapters(config: Config, spec: lora_lib.LoraSpec, model_cfg: Any, ckpt: Checkpointer, step: int | None,
                      out: str) -> int:
     """A LoRA run's adapters in PEFT's layout at `out`, written beside it and renamed into place."""
-    like = jax.eval_shape(lambda: lora_lib.init_adapters(spec, model_cfg))
-    adapters, got = ckpt.restore_params(step, like)
+    adapters, got = ckpt.restore_params(step, lora_lib.abstract_adapters(spec, model_cfg))
     if jax.process_index() != 0:
         return got
-    tmp = scratch_beside(out)
-    try:
+    with writing(out) as tmp:
         save_file(lora_lib.peft_tensors(spec, adapters), os.path.join(tmp, "adapter_model.safetensors"),
                   metadata={"format": "pt"})
         with open(os.path.join(tmp, "adapter_config.json"), "w") as fh:
             json.dump(lora_lib.peft_config(spec, config.model.path and os.path.abspath(config.model.path)), fh,
                       indent=2)
-        swap_into_place(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return got
 
 

@@ -4,9 +4,11 @@ ever deleted: a user's `OUT.old` or `OUT.partial` is never touched."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
 
 TAG = "sem_jax"  # in every scratch name: `.OUT.partial-sem_jax-XXXX`, `.OUT.old-sem_jax-XXXX`
 
@@ -16,6 +18,19 @@ def scratch_beside(out: str, what: str = "partial") -> str:
     parent, name = os.path.split(os.path.abspath(out.rstrip("/")))
     os.makedirs(parent, exist_ok=True)
     return tempfile.mkdtemp(dir=parent, prefix=f".{name}.{what}-{TAG}-")
+
+
+@contextlib.contextmanager
+def writing(out: str) -> Iterator[str]:
+    """A scratch directory beside `out` to write into: swapped into place when the block ends,
+    deleted (and `out` left as it was) when it raises."""
+    scratch = scratch_beside(out)
+    try:
+        yield scratch
+        swap_into_place(scratch, out)
+    except BaseException:
+        shutil.rmtree(scratch, ignore_errors=True)
+        raise
 
 
 def swap_into_place(scratch: str, out: str) -> None:

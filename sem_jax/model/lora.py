@@ -68,8 +68,6 @@ def spec_of(lora: Any, cfg: Qwen2Config) -> LoraSpec | None:
     if not lora.rank:
         return None
     layers = lora.layers or cfg.num_layers
-    if layers > cfg.num_layers:
-        raise Refused(f"config.lora.layers={layers}: the model has {cfg.num_layers} layers")
     targets = tuple(t.strip() for t in lora.targets.split(",") if t.strip())
     return LoraSpec(rank=lora.rank, alpha=lora.alpha, targets=targets, first=cfg.num_layers - layers,
                     num_layers=cfg.num_layers)
@@ -94,10 +92,10 @@ def init_adapters(spec: LoraSpec, cfg: Qwen2Config, seed: int = 0) -> dict[str, 
     return out
 
 
-def abstract_adapters(spec: LoraSpec, cfg: Qwen2Config, mesh: Any) -> dict:
-    """`init_adapters`' shapes as abstract arrays whole on every device of `mesh` (compile-only checks)."""
-    whole = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=whole),
+def abstract_adapters(spec: LoraSpec, cfg: Qwen2Config, sharding: Any = None) -> dict:
+    """`init_adapters`' shapes as abstract arrays, placed by `sharding` when given (a restore's
+    target, a compile-only check's argument)."""
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding),
                         jax.eval_shape(lambda: init_adapters(spec, cfg)))
 
 

@@ -18,7 +18,6 @@ import hashlib
 import itertools
 import json
 import os
-import shutil
 import time
 from collections.abc import Iterable, Iterator
 
@@ -27,7 +26,7 @@ from tqdm import tqdm
 
 from sem_jax.retrieval.bm25 import FORMAT, _quiet_bm25s, _stemmer
 from sem_jax.run_lock import RunLock
-from sem_jax.whole_dir import scratch_beside, swap_into_place
+from sem_jax.whole_dir import writing
 
 STATE_INT, STATE_FLOAT = np.int32, np.float32  # bm25s's int_dtype and dtype
 
@@ -61,8 +60,7 @@ def _build(passages, out_dir: str, bm25s, *, stemmer, stopwords, k1, b, chunk, t
     start = time.time()
     if os.path.isdir(out_dir) and os.listdir(out_dir) and not os.path.exists(os.path.join(out_dir, "sem_jax_index.json")):
         raise CorpusError(f"{out_dir}: not empty and not an index: give another --out (only an index is replaced)")
-    scratch = scratch_beside(out_dir)
-    try:
+    with writing(out_dir) as scratch:  # the earlier index is set aside until the new one is in place
         stats = _write(passages, scratch, bm25s, _stemmer(stemmer), stopwords, k1, b, chunk, total, show_progress)
         settings = {"format": FORMAT, "stemmer": stemmer, "stopwords": stopwords, "k1": k1, "b": b,
                     "method": "lucene", "num_docs": stats["passages"]}
@@ -70,10 +68,6 @@ def _build(passages, out_dir: str, bm25s, *, stemmer, stopwords, k1, b, chunk, t
             json.dump(settings, fh, indent=2)
         for name in ("triples.doc", "triples.term", "triples.tf"):
             os.remove(os.path.join(scratch, name))
-        swap_into_place(scratch, out_dir)  # the earlier index is set aside until the new one is in place
-    except BaseException:
-        shutil.rmtree(scratch, ignore_errors=True)
-        raise
     return {**settings, **stats, "seconds": time.time() - start}
 
 
