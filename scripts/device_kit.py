@@ -120,7 +120,24 @@ def _manifest(directory: str) -> dict | None:
     if not os.path.exists(path):
         return None
     with open(path) as f:
-        return json.load(f)
+        try:
+            return json.load(f)
+        except ValueError as e:  # JSONDecodeError, or bytes that are not UTF-8
+            raise SystemExit(f"{path}: damaged, not readable as JSON ({e}); stage the parts again") from None
+
+
+def check_staged(stage_dir: str, manifest: dict, folder: str) -> None:
+    """Every file the manifest lists under `folder` is in `stage_dir` with the bytes it was packed
+    with (a file changed or lost between the calls is named before anything is installed or copied)."""
+    for name, entry in manifest["files"].items():
+        if not name.startswith(folder + os.sep):
+            continue
+        path = os.path.join(stage_dir, name)
+        if not os.path.exists(path):
+            raise SystemExit(f"{path}: missing from the stage (it was packed in {entry['part']}); stage it again")
+        if os.path.getsize(path) != entry["bytes"] or sha256(path) != entry["sha256"]:
+            raise SystemExit(f"{path}: {os.path.getsize(path)} bytes, not the {entry['bytes']} bytes with sha256 "
+                             f"{entry['sha256'][:12]}... it was packed as; stage its part ({entry['part']}) again")
 
 
 def stage(kit: str, stage_dir: str) -> list[str]:
@@ -194,6 +211,7 @@ def unpack(stage_dir: str, model: str, data: str, site: str | None) -> None:
         raise SystemExit(f"{stage_dir}: not every part is staged yet (device_kit.py stage lists them)")
     wheels = sorted(glob.glob(os.path.join(stage_dir, "wheels", "*.whl")))
     if site and wheels and not os.path.exists(os.path.join(site, ".installed")):
+        check_staged(stage_dir, manifest, "wheels")
         if subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-index", "--no-deps", "--no-compile",
                            "--upgrade", "--target", site] + wheels).returncode:
             raise SystemExit(f"installing the wheels of {stage_dir}/wheels into {site} failed (pip's output above)")
@@ -209,6 +227,7 @@ def unpack(stage_dir: str, model: str, data: str, site: str | None) -> None:
             raise SystemExit(f"converting {gguf} into {model} failed (its output above)")
         os.remove(gguf)  # fetch_real_model.py keeps its own copy beside the model directory
     if not os.path.exists(os.path.join(data, "sources.json")):
+        check_staged(stage_dir, manifest, "data")
         tmp = data.rstrip(os.sep) + ".tmp"
         shutil.rmtree(tmp, ignore_errors=True)
         shutil.copytree(os.path.join(stage_dir, "data"), tmp)

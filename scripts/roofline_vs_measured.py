@@ -18,9 +18,9 @@ import json
 import statistics
 import sys
 
-from sem_jax.measure import compare as compare_calls
-from sem_jax.measure import report as report_calls
-from sem_jax.roofline import CHIPS, Call, step_seconds
+from sem_jax.aot.measure import compare as compare_calls
+from sem_jax.aot.measure import report as report_calls
+from sem_jax.aot.roofline import CHIPS, Call, step_seconds
 
 ROWS = (("rollout", "time/rollout"), ("update", "time/update"), ("step", "time/step"))
 

@@ -3,7 +3,8 @@
 `settings(config)` turns the config's fields into the runtime dataclasses (sampling, rollout,
 GRPO, optimizer, reward); nothing else reads those fields, so there is no second set of
 defaults. The `build_*` functions make the objects that hold arrays or files (mesh, policy,
-retriever, samplers, trainer), and `build` puts a run's together for its purpose.
+retriever, samplers, trainer), and one builder per purpose puts a run's together from them
+(`build_train`, `build_evaluation`, `build_warm_start`, `build_compile`).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from sem_jax.model.tokenizer import load_tokenizer, train_bpe_tokenizer
 from sem_jax.protocol import Protocol, get_protocol
 from sem_jax.rl.loss import GRPOConfig
 from sem_jax.rl.trainer import OptimConfig, Trainer
-from sem_jax.sampling import RolloutConfig, Sampler, SamplingConfig, build_stop_automaton
+from sem_jax.sampling import Engine, RolloutConfig, Sampler, SamplingConfig, build_stop_automaton
 from sem_jax.rewards.rules import RewardParams, check_sem_params, get_reward
 from sem_jax.settings import Config, ConfigError
 from sem_jax.sharding import make_mesh, named_sharding, replicated, tensor_groups
@@ -325,37 +326,37 @@ def build_trainer(config: Config, model: Qwen2, s: Settings, mesh: Mesh, *, proc
                    shards=batch_shards(mesh), unroll_head=unroll_head, lora=lora_lib.spec_of(config.lora, model.config))
 
 
-# -- a run, built once for its purpose -----------------------------------------------------------
+# -- a run, built for its purpose: one builder each, sharing the named steps below ----------------
 
-PURPOSES = ("train", "evaluate", "warm_start", "compile")
-
-
-@dataclasses.dataclass
+@dataclasses.dataclass(kw_only=True)
 class Run:
-    """What an entry point runs with besides its arrays (training's live in `train.TrainState`),
-    built by `build` for one purpose; a part the purpose does not use is None."""
-    purpose: str
+    """What every purpose's run has: the config, its settings (with the tokenizer's stop ids once
+    there is one) and meshes."""
     config: Config
     run_dir: str
-    settings: Settings               # with the tokenizer's stop ids once there is one
+    settings: Settings
     mesh: Mesh                       # training's (evaluate: the sampler's, where the weights load)
     rollout_mesh: Mesh               # the sampler's (`rollout.tensor`)
     model_config: Qwen2Config
-    model: Qwen2 | None = None       # compile: abstract (no memory)
-    params: Any = None               # compile: the model's abstract parameters on `mesh`
-    tokenizer: Any = None
-    retriever: Any = None
-    sampler: Sampler | None = None   # training rollouts (train)
-    greedy: Sampler | None = None    # greedy evaluation (train, evaluate, warm_start with sft.eval)
-    trainer: Trainer | None = None  # train; compile: the layer scan's, as on the TPU
-    calls: CallLog | None = None
-    train_set: list[Example] = dataclasses.field(default_factory=list)
-    eval_set: list[Example] = dataclasses.field(default_factory=list)  # this process's share
-    eval_total: int = 0              # held-out questions over every process
-    per_host: int = 0                # questions each process rolls out per step
-    eval_batch: int = 0              # rows each process evaluates at a time (greedy, one per question)
-    row_multiple: int = 1            # each process's training rows pad to a multiple of this
-    pad_id: int = 0
+
+
+@dataclasses.dataclass(kw_only=True)
+class CompileRun(Run):
+    """`build_compile`: the abstract model (no memory) and the layer scan's trainer, as on the TPU."""
+    model: Qwen2
+    params: Any                      # the model's abstract parameters on `mesh`
+    trainer: Trainer
+
+
+@dataclasses.dataclass(kw_only=True)
+class PolicyRun(Run):
+    """A run with a loaded policy, its tokenizer and the retriever (`build_evaluation`)."""
+    model: Qwen2
+    tokenizer: Any
+    retriever: Any
+    greedy: Sampler | None           # greedy evaluation
+    eval_batch: int                  # rows each process evaluates at a time (one per question)
+    pad_id: int
 
     def cap(self, examples: Sequence[Example], where: str) -> list[Example]:
         """`examples` whose prompt fits data.max_prompt_tokens (`cap_prompts`)."""
@@ -363,88 +364,131 @@ class Run:
                            self.config.data.max_prompt_tokens, where)
 
 
-def build(config: Config, purpose: str, *, devices: Sequence | None = None, resuming: bool = False,
-          checkpoint: str | None = None, step: int | None = None, hf: str | None = None) -> Run:
-    """The one assembly of a run for `purpose`, which every entry point calls:
+@dataclasses.dataclass(kw_only=True)
+class WarmStartRun(PolicyRun):
+    """`build_warm_start`: the training questions and, with sft.eval, the held-out share and `greedy`."""
+    train_set: list[Example]
+    eval_set: list[Example]          # this process's share
+    eval_total: int                  # held-out questions over every process
 
-    - "train": mesh, data, retriever, policy (`resuming`: nothing a checkpoint depends on built
-      anew), training and greedy samplers, trainer (`sem_jax.train`);
-    - "evaluate": the policy from `checkpoint` (at `step`) or the HF directory `hf`, loaded in the
-      sampler's layout, the greedy sampler and the retriever (`sem_jax.evaluate`);
-    - "warm_start": the pretrained policy, the training questions, the retriever and, with
-      sft.eval, the held-out share and the greedy sampler (`sem_jax.sft`);
-    - "compile": for `devices` (a TPU topology's, say), the abstract model and trainer at the
-      config's shapes, no data or weights (`sem_jax.aot`, `sem_jax.roofline`).
-    """
-    if purpose not in PURPOSES:
-        raise ValueError(f"purpose={purpose!r}; choose one of {PURPOSES}")
-    nproc = 1 if purpose == "compile" else jax.process_count()
-    if purpose == "train" and config.rollout.group_size < 2:  # evaluation samples one row a question
+
+@dataclasses.dataclass(kw_only=True)
+class TrainRun(WarmStartRun):
+    """`build_train`: the rollout engine, the trainer and every process's call log."""
+    engine: Engine
+    trainer: Trainer
+    calls: CallLog
+    per_host: int                    # questions each process rolls out per step
+    row_multiple: int                # each process's training rows pad to a multiple of this
+
+
+def _frame(config: Config, processes: int, devices: Sequence | None = None) -> dict[str, Any]:
+    """Every run's first step: its settings and meshes (a `Run`'s fields but the model's)."""
+    mesh = build_mesh(config, devices)
+    return dict(config=config, run_dir=os.path.abspath(config.run_dir), settings=settings(config), mesh=mesh,
+                rollout_mesh=build_rollout_mesh(config, mesh),
+                eval_batch=max(1, config.data.prompts_per_step // processes) * config.rollout.group_size)
+
+
+def _with_policy(frame: dict[str, Any], model: Qwen2, tokenizer) -> dict[str, Any]:
+    """The frame with its policy: positions checked, the tokenizer's stop ids, its pad id."""
+    config, s = frame["config"], frame["settings"]
+    check_positions(config, s, model.config)
+    return dict(frame, model=model, tokenizer=tokenizer, model_config=model.config, settings=s.with_eos(tokenizer),
+                pad_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0)
+
+
+def _questions(run: dict[str, Any], processes: int, held_out: bool) -> dict[str, Any]:
+    """The training questions and (`held_out`) this process's share of the held-out ones, capped
+    to data.max_prompt_tokens."""
+    config = run["config"]
+    cap = lambda examples, where: cap_prompts(examples, run["settings"].protocol, run["settings"].system_prompt,
+                                              run["tokenizer"], config.data.max_prompt_tokens, where)
+    train_set = cap(run.pop("train_set", None) or load_questions(config.data.train_file), config.data.train_file)
+    if not train_set:
+        raise ValueError(f"{config.data.train_file}: no question's prompt fits data.max_prompt_tokens")
+    eval_all, eval_set = run.pop("eval_all", None) or [], []
+    if held_out:
+        eval_all = cap(eval_all or load_questions(config.data.eval_file), config.data.eval_file)
+        eval_all = eval_all[:config.data.eval_questions]
+        eval_set = process_share(eval_all, jax.process_index(), processes)  # each process evaluates its share
+        if not eval_set:
+            raise ValueError(f"{processes} processes need at least as many eval questions (data.eval_questions)")
+    return dict(run, train_set=train_set, eval_set=eval_set, eval_total=len(eval_all))
+
+
+def _greedy(run: dict[str, Any], calls: CallLog | None = None) -> Sampler:
+    s = run["settings"]
+    return build_sampler(run["model"], run["tokenizer"], s.greedy, run["config"], s.protocol,
+                         mesh=run["rollout_mesh"], calls=calls)
+
+
+def build_compile(config: Config, devices: Sequence | None = None) -> CompileRun:
+    """For `devices` (a TPU topology's, say): the abstract model and trainer at the config's shapes,
+    no data or weights (`sem_jax.aot`, `sem_jax.aot.roofline`)."""
+    frame = _frame(config, 1, devices)
+    frame.pop("eval_batch")
+    mcfg = model_config(config)
+    model, _, params = abstract_model(config, mcfg, frame["mesh"], config.model.dtype)
+    trainer = build_trainer(config, model, frame["settings"], frame["mesh"], per_layer=False)  # the layer scan
+    return CompileRun(**frame, model_config=mcfg, model=model, params=params, trainer=trainer)
+
+
+def build_evaluation(config: Config, *, checkpoint: str | None = None, step: int | None = None,
+                     hf: str | None = None) -> PolicyRun:
+    """The policy from `checkpoint` (at `step`) or the HF directory `hf`, loaded in the sampler's
+    layout, the greedy sampler and the retriever (`sem_jax.evaluate`, which reads its own data
+    sets: `PolicyRun.cap` caps them)."""
+    frame = _frame(config, jax.process_count())
+    frame["mesh"] = frame["rollout_mesh"]  # nothing trains: the weights load in the sampler's layout
+    run = _with_policy(frame, *load_policy(config, checkpoint, step, hf, frame["rollout_mesh"]))
+    return PolicyRun(**run, retriever=build_retriever(config), greedy=_greedy(run))
+
+
+def build_warm_start(config: Config) -> WarmStartRun:
+    """The pretrained policy, the training questions, the retriever and, with sft.eval, the
+    held-out share and the greedy sampler (`sem_jax.sft`)."""
+    if not config.model.path:
+        raise ValueError("sem_jax.sft warm-starts a pretrained model: set --config.model.path (the demo's "
+                         "random-init model has its own warm start, `make demo`)")
+    nproc = jax.process_count()
+    frame = _frame(config, nproc)
+    run = _questions(_with_policy(frame, *build_policy(config, None, frame["run_dir"], frame["mesh"])), nproc,
+                     config.sft.eval)
+    return WarmStartRun(**run, retriever=build_retriever(config), greedy=_greedy(run) if config.sft.eval else None)
+
+
+def build_train(config: Config, *, resuming: bool = False) -> TrainRun:
+    """Mesh, data, retriever, policy (`resuming`: nothing a checkpoint depends on built anew), the
+    rollout engine, the greedy sampler and the trainer (`sem_jax.train`)."""
+    nproc = jax.process_count()
+    if config.rollout.group_size < 2:  # evaluation samples one row a question
         raise ConfigError(f"config.rollout.group_size={config.rollout.group_size}: training needs at least 2 (GRPO's "
                           "advantages compare a question's trajectories: with one, every group ties and no step "
                           "learns)")
-    if purpose == "train" and config.data.prompts_per_step % nproc:  # each process rolls out its share of a step
+    if config.data.prompts_per_step % nproc:  # each process rolls out its share of a step
         raise ValueError(f"data.prompts_per_step={config.data.prompts_per_step} must divide by the {nproc} processes")
-    s = settings(config)
-    mesh = build_mesh(config, devices)
-    rollout_mesh = build_rollout_mesh(config, mesh)
-    per_host = max(1, config.data.prompts_per_step // nproc)
-    run = Run(purpose=purpose, config=config, run_dir=os.path.abspath(config.run_dir), settings=s, mesh=mesh,
-              rollout_mesh=rollout_mesh, model_config=None, per_host=per_host,
-              eval_batch=per_host * config.rollout.group_size)
-    if purpose == "compile":
-        run.model_config = model_config(config)
-        run.model, _, run.params = abstract_model(config, run.model_config, mesh, config.model.dtype)
-        run.trainer = build_trainer(config, run.model, s, mesh, per_layer=False)  # the layer scan, as on the TPU
-        return run
-    if purpose == "evaluate":
-        run.mesh = rollout_mesh  # nothing trains: the weights load in the sampler's layout
-        run.model, run.tokenizer = load_policy(config, checkpoint, step, hf, rollout_mesh)
-    elif purpose == "warm_start":
-        if not config.model.path:
-            raise ValueError("sem_jax.sft warm-starts a pretrained model: set --config.model.path (the demo's "
-                             "random-init model has its own warm start, `make demo`)")
-        run.model, run.tokenizer = build_policy(config, None, run.run_dir, mesh)
-    run.retriever = build_retriever(config)
-    evaluates = purpose == "train" or (purpose == "warm_start" and config.sft.eval)  # held-out share, greedy
-    # sem_jax.evaluate reads its own data sets (`Run.cap` caps them).
-    run.train_set = load_questions(config.data.train_file) if purpose != "evaluate" else []
-    eval_all = load_questions(config.data.eval_file) if evaluates else []
-    if purpose == "train":
-        # Text for a random-init model's BPE (only read when no model.path is given).
-        texts = lambda: [s.system_prompt] + [e.question + " " + " ".join(e.answers)
-                                              for e in run.train_set + eval_all[:config.data.eval_questions]] + \
-            [f"{d['title']} {d['text']}" for d in run.retriever.passages()]
-        run.model, run.tokenizer = build_policy(config, texts, run.run_dir, mesh, resuming=resuming)
-    run.model_config = run.model.config
-    check_positions(config, s, run.model_config)
-    run.settings = s = s.with_eos(run.tokenizer)
-    run.pad_id = run.tokenizer.pad_token_id if run.tokenizer.pad_token_id is not None else 0
-    if run.train_set:
-        run.train_set = run.cap(run.train_set, config.data.train_file)
-        if not run.train_set:
-            raise ValueError(f"{config.data.train_file}: no question's prompt fits data.max_prompt_tokens")
-    if evaluates:
-        eval_all = run.cap(eval_all, config.data.eval_file)[:config.data.eval_questions]
-        run.eval_total = len(eval_all)
-        run.eval_set = process_share(eval_all, jax.process_index(), nproc)  # each process evaluates its share
-        if not run.eval_set:
-            raise ValueError(f"{nproc} processes need at least as many eval questions (data.eval_questions)")
-    if purpose == "train":  # every process's device calls, checked alike (train.debug_hosts)
-        run.calls = CallLog(config.train.debug_hosts)
-    if evaluates or purpose == "evaluate":
-        run.greedy = build_sampler(run.model, run.tokenizer, s.greedy, config, s.protocol, mesh=rollout_mesh,
-                                   calls=run.calls)
-    if purpose == "train":
-        run.trainer = build_trainer(config, run.model, s, mesh, processes=nproc)
-        # LoRA on the top layers: the sampler keeps the residual stream entering the lowest adapted
-        # one, and the update starts there (both per layer; the layer scan runs every layer).
-        spec = run.trainer.lora
-        resid_layer = spec.first if spec is not None and spec.first > 0 and run.trainer.per_layer else -1
-        run.sampler = build_sampler(run.model, run.tokenizer, s.sampling, config, s.protocol, mesh=rollout_mesh,
-                                    calls=run.calls, resid_layer=resid_layer)
-        # Each process pads its rows so that the global batch splits into micro-batches and over the
-        # batch shards, and its groups stay whole runs of the trainer's shared prompts.
-        run.row_multiple = int(np.lcm.reduce([run.trainer.micro_batch // nproc, local_batch_multiple(mesh),
-                                              run.trainer.share]))
-    return run
+    frame = _frame(config, nproc)
+    s, mesh = frame["settings"], frame["mesh"]
+    retriever = build_retriever(config)
+    train_set, eval_all = load_questions(config.data.train_file), load_questions(config.data.eval_file)
+    # Text for a random-init model's BPE (only read when no model.path is given).
+    texts = lambda: [s.system_prompt] + [e.question + " " + " ".join(e.answers)
+                                          for e in train_set + eval_all[:config.data.eval_questions]] + \
+        [f"{d['title']} {d['text']}" for d in retriever.passages()]
+    policy = build_policy(config, texts, frame["run_dir"], mesh, resuming=resuming)
+    run = _questions(dict(_with_policy(frame, *policy), train_set=train_set, eval_all=eval_all), nproc, True)
+    s, calls = run["settings"], CallLog(config.train.debug_hosts)  # every process's device calls, checked alike
+    trainer = build_trainer(config, run["model"], s, mesh, processes=nproc)
+    # LoRA on the top layers: the sampler keeps the residual stream entering the lowest adapted one,
+    # and the update starts there (both per layer; the layer scan runs every layer).
+    spec = trainer.lora
+    resid_layer = spec.first if spec is not None and spec.first > 0 and trainer.per_layer else -1
+    sampler = build_sampler(run["model"], run["tokenizer"], s.sampling, config, s.protocol, mesh=run["rollout_mesh"],
+                            calls=calls, resid_layer=resid_layer)
+    # Each process pads its rows so that the global batch splits into micro-batches and over the batch
+    # shards, and its groups stay whole runs of the trainer's shared prompts.
+    row_multiple = int(np.lcm.reduce([trainer.micro_batch // nproc, local_batch_multiple(mesh), trainer.share]))
+    return TrainRun(**run, retriever=retriever, greedy=_greedy(run, calls),
+                    engine=Engine(sampler, run["tokenizer"], retriever, s.rollout, s.protocol), trainer=trainer,
+                    calls=calls, per_host=max(1, config.data.prompts_per_step // nproc), row_multiple=row_multiple)

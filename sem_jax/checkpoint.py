@@ -160,15 +160,29 @@ class Checkpointer:
 
     def restore_params(self, step: int | None, params_like: Any) -> tuple[Any, int]:
         """Parameters alone (no optimizer state read), from `step` or the latest."""
+        steps = sorted(self.manager.all_steps())
         step = self.latest_step() if step is None else step
         if step is None:
             raise FileNotFoundError(f"{self.directory}: no checkpoint")
-        differs = self.mismatch(step, params=params_like)
+        if step not in steps:
+            raise FileNotFoundError(f"{self.directory}: no step {step} (the steps there: {steps})")
+        try:
+            differs = self.mismatch(step, params=params_like)
+        except Exception as e:  # noqa: BLE001 - damaged metadata
+            raise self._damaged(step, e) from None
         if differs:
             raise self._refuse_mismatch(step, differs)
-        r = self.manager.restore(step, args=ocp.args.Composite(
-            params=ocp.args.StandardRestore(abstract_like(params_like))))
+        try:
+            r = self.manager.restore(step, args=ocp.args.Composite(
+                params=ocp.args.StandardRestore(abstract_like(params_like))))
+        except Exception as e:  # noqa: BLE001 - whatever a damaged step raises (TensorStore, OSError, KeyError)
+            raise self._damaged(step, e) from None
         return r.params, step
+
+    def _damaged(self, step: int, error: Exception) -> RuntimeError:
+        return RuntimeError(f"{self.directory}: step {step} does not restore, though it is there: its files are "
+                            f"damaged ({type(error).__name__}: {str(error).splitlines()[0][:300] if str(error) else ''})"
+                            "; evaluate or export another step (--step)")
 
     def restore_meta(self, step: int) -> dict:
         """`step`'s metadata alone (its step count, data position, a LoRA run's base fingerprint)."""
@@ -185,7 +199,8 @@ class Checkpointer:
     def _save_failed(self, e: Exception) -> OSError:
         free = shutil.disk_usage(self.directory).free
         return OSError(f"{self.directory}: a checkpoint save failed ({type(e).__name__}: {e}); {free / 2**30:.2f} "
-                       f"GiB free there; the last complete checkpoint is step {self.latest_step()}")
+                       f"GiB free there; the last complete checkpoint is "
+                       + (f"step {self.latest_step()}" if self.latest_step() is not None else "none yet (no step saved)"))
 
     def wait(self) -> None:
         self.manager.wait_until_finished()

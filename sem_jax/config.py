@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import difflib
 import importlib.util
+import os
 import sys
 
 from ml_collections import ConfigDict
@@ -72,6 +73,9 @@ def parse_flags(argv: list[str]) -> list[str]:
     """absl's flag parsing (`app.run(main, flags_parser=parse_flags)`), with an unknown config
     field said in one line (`unknown_field`) instead of a traceback."""
     from absl import flags
+    path = config_path(argv)
+    if path and not os.path.isfile(path.partition(":")[0]):
+        sys.exit(f"--config {path}: no such file ({os.path.abspath(path.partition(':')[0])})")
     try:
         return flags.FLAGS(argv)
     except (flags.Error, AttributeError, KeyError) as e:
@@ -96,15 +100,21 @@ def one_line_config_errors(default_config: str | None = None):
         raise
 
 
-def unknown_field(argv: list[str], default_config: str | None = None) -> str | None:
-    """"unknown config field 'rl.bta'; did you mean rl.beta?" for the first `--config.X` of `argv`
-    that the config file (`--config`, else `default_config`) does not have; None if all exist."""
+def config_path(argv: list[str], default_config: str | None = None) -> str | None:
+    """The `--config` of `argv` (FILE or FILE:ARG), else `default_config`."""
     path = default_config
     for i, arg in enumerate(argv[1:], start=1):
         if arg.startswith("--config="):
             path = arg.split("=", 1)[1]
         elif arg == "--config" and i + 1 < len(argv):
             path = argv[i + 1]
+    return path
+
+
+def unknown_field(argv: list[str], default_config: str | None = None) -> str | None:
+    """"unknown config field 'rl.bta'; did you mean rl.beta?" for the first `--config.X` of `argv`
+    that the config file (`--config`, else `default_config`) does not have; None if all exist."""
+    path = config_path(argv, default_config)
     if not path:
         return None
     file, _, arg = path.partition(":")

@@ -3,11 +3,12 @@ traceback, and in either case the process ends (no thread left to hold it)."""
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import traceback
 from collections.abc import Callable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from absl import app
 
@@ -17,6 +18,16 @@ T = TypeVar("T")
 class Refused(Exception):
     """A command refused what it was asked, before it changed anything; the message is the whole
     story (what, where, what to do), so it is printed without a traceback."""
+
+
+def read_json(path: str, what: str) -> Any:
+    """The JSON in `path`; a damaged file (not JSON, cut short, not UTF-8) is refused naming it and
+    `what` it is (who writes it, what to do)."""
+    try:
+        with open(path, encoding="utf-8") as fh:
+            return json.load(fh)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise Refused(f"{path}: damaged, not readable as JSON ({e}); it is {what}") from None
 
 
 def exit_on_error(run: Callable[[], T]) -> T:

@@ -23,7 +23,7 @@ from absl import app, flags
 from absl import logging as absl_logging
 from ml_collections import config_flags
 
-from sem_jax.assemble import build
+from sem_jax.assemble import build_evaluation
 from sem_jax.checkpoint import checkpoint_run_dir
 from sem_jax.config import parse_flags
 from sem_jax.data.example import Example
@@ -192,7 +192,7 @@ def main(argv):
     if FLAGS.dtype:
         config = config.replace(**{"model.eval_dtype": FLAGS.dtype})
     initialize_distributed(config.distributed)  # first: before anything starts a backend
-    run = build(config, "evaluate", checkpoint=FLAGS.checkpoint, step=FLAGS.step, hf=FLAGS.hf)
+    run = build_evaluation(config, checkpoint=FLAGS.checkpoint, step=FLAGS.step, hf=FLAGS.hf)
     if sources:  # every process reads every data set and draws the same sample
         # The split each data set is evaluated on (a local file is read whole).
         data = {name: load_source(name, path, split=EVAL_SPLITS.get(name, "validation"))

@@ -70,6 +70,22 @@ class MetricWriter:
         where = f"{step}/{total}" if total else str(step)
         print(f"[{prefix} {where} {time.time() - self.start:6.0f}s] {shown}", flush=True)
 
+    def logged(self, step: int, split: str) -> bool:
+        """Whether metrics.jsonl holds a `split` row at `step` (process 0; True elsewhere, which has
+        no file to read)."""
+        if not self.enabled:
+            return True
+        self.jsonl.flush()
+        with open(self.jsonl.name) as fh:
+            for line in fh:
+                try:
+                    row = json.loads(line)
+                except ValueError:
+                    continue
+                if row.get("step") == step and row.get("split") == split:
+                    return True
+        return False
+
     def close(self):
         if self.enabled:
             self.tb.close()

@@ -113,7 +113,7 @@ class Retrieval:
 
 @dataclasses.dataclass(frozen=True)
 class Rollout:
-    group_size: int = setting(5, **POSITIVE)  # training needs at least 2 (assemble.build says why)
+    group_size: int = setting(5, **POSITIVE)  # training needs at least 2 (assemble.build_train says why)
     max_searches: int = setting(2, **COUNT)   # answered searches per trajectory
     max_new_tokens: int = setting(128, **POSITIVE)  # sampled tokens; inserted results get room of their own
     temperature: float = setting(1.0, low=0.0, high=BIG, ends="(]",
@@ -374,6 +374,39 @@ def load(config: ConfigDict | dict) -> Config:
     dict); refused in one line naming the field: an unknown field, a wrong type, a value out of
     range or not among the choices."""
     return from_dict(config.to_dict() if isinstance(config, ConfigDict) else dict(config))
+
+
+# What a resumed run may change: how long and how often it runs and evaluates, where its files are,
+# and how its steps are computed (mesh, kernels, engine, threads, micro-batches). The rest defines
+# what trains (protocol, reward, update, optimizer, model, LoRA, the data's shape) and is refused.
+RESUMABLE = ("run_dir", "peak_flops", "train.", "mesh.", "distributed.", "data.train_file", "data.eval_file",
+             "data.eval_questions", "retrieval.index_dir", "retrieval.corpus", "retrieval.threads",
+             "rollout.window_steps", "rollout.tensor", "rollout.spread", "rollout.slots", "rollout.chunk_steps",
+             "rollout.lockstep", "rollout.narrow", "rollout.retrieval_threads", "rollout.retrieval_timeout_s",
+             "model.path", "model.tokenizer", "model.kernels", "model.remat", "model.eval_dtype", "rl.micro_batch",
+             "rl.logprob_chunk", "sft.", "world.", "warm_start.", "experiment")
+
+
+def resume_changes(before: Config, now: Config, where: str) -> dict[str, list]:
+    """The fields `now` changes from the config a run was trained with (`before`, read from
+    `where`), as {field: [before, now]}; refused, naming every field, where one is not RESUMABLE."""
+    old, new = (flat_fields(json.loads(c.to_json())) for c in (before, now))
+    changed = {k: [old.get(k), new.get(k)] for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)}
+    refused = [k for k in changed
+               if not any(k == r or k.startswith(r if r.endswith(".") else r + ".") for r in RESUMABLE)]
+    if refused:
+        said = "; ".join(f"{k}: {changed[k][0]!r} -> {changed[k][1]!r}" for k in refused)
+        raise ConfigError(f"{where}: a resumed run cannot change what it trains ({said}). Nothing was changed; "
+                          "resume with the run's config, or train in a new run_dir")
+    return changed
+
+
+def flat_fields(tree: dict, prefix: str = "") -> dict:
+    """A nested dict as {"section.field": value}."""
+    out = {}
+    for k, v in tree.items():
+        out.update(flat_fields(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+    return out
 
 
 def run_config(run_dir: str, hint: str) -> Config:

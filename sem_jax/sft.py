@@ -30,7 +30,7 @@ from flax import nnx
 from jax.sharding import Mesh
 from ml_collections import config_flags
 
-from sem_jax.assemble import build
+from sem_jax.assemble import build_warm_start
 from sem_jax.config import parse_flags
 from sem_jax.distributed import initialize as initialize_distributed
 from sem_jax.errors import exit_on_error
@@ -207,7 +207,7 @@ def finetune(config: Config, out: str, *, overwrite: bool = False, dtype: str | 
                          "random-init model has its own warm start, `make demo`)")
     check_out_dir(out, overwrite, sources=[config.model.path])
     t_start = time.perf_counter()
-    run = build(config, "warm_start")
+    run = build_warm_start(config)
     s, model, tokenizer, retriever, mesh = run.settings, run.model, run.tokenizer, run.retriever, run.mesh
     pairs, stats = build_traces(run.train_set, tokenizer, retriever, s.protocol, count=f.traces,
                                 search_share=f.search_share, top_k=config.retrieval.top_k,

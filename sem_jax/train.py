@@ -29,7 +29,7 @@ from absl import logging as absl_logging
 from flax import nnx
 from ml_collections import ConfigDict, config_flags
 
-from sem_jax.assemble import Run, build, settings
+from sem_jax.assemble import TrainRun, build_train, settings
 from sem_jax.checkpoint import Checkpointer
 from sem_jax.config import one_line_config_errors, parse_flags
 from sem_jax.data.example import Example
@@ -45,10 +45,10 @@ from sem_jax.rl.advantages import group_advantages, tied_groups
 from sem_jax.rl.batch import batch_width, build_batch, response_width
 from sem_jax.rl.trainer import learning_rate
 from sem_jax.run_lock import RunLock
-from sem_jax.sampling import RolloutStats, Trajectory, rollout
+from sem_jax.sampling import RolloutStats, Trajectory
 from sem_jax.sampling.sampler import compute_weights
 from sem_jax.rewards.rules import CASES
-from sem_jax.settings import Config, load
+from sem_jax.settings import Config, load, resume_changes, run_config
 from sem_jax.sharding import replicate, shard_params
 
 DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "cpu.py")
@@ -98,7 +98,7 @@ class Scored:
     seconds: float
 
 
-def initial_state(run: Run, ckpt: Checkpointer) -> TrainState:
+def initial_state(run: TrainRun, ckpt: Checkpointer) -> TrainState:
     """The policy's parameters, sharded, with a fresh optimizer; or the last checkpoint's."""
     with jax.set_mesh(run.mesh):
         _, params = nnx.split(run.model)
@@ -138,7 +138,7 @@ def reference_weights(params: Any, dtype: Any) -> Any:
     return jax.tree.map(jnp.copy, ref) if ref is params else ref
 
 
-def step_questions(run: Run, step: int) -> list[Example]:
+def step_questions(run: TrainRun, step: int) -> list[Example]:
     """This process's slice of the step's global batch (the same for any number of processes)."""
     c = run.config
     pid = jax.process_index()
@@ -150,17 +150,16 @@ def step_questions(run: Run, step: int) -> list[Example]:
     return examples
 
 
-def rollout_and_score(run: Run, state: TrainState, examples: list[Example]) -> Scored:
+def rollout_and_score(run: TrainRun, state: TrainState, examples: list[Example]) -> Scored:
     """G trajectories per question, their rewards and group-relative advantages."""
     s, c = run.settings, run.config
     prompts = [s.protocol.encode_prompt(run.tokenizer, e, s.system_prompt) for e in examples]
-    run.sampler.set_params(policy_weights(state, run.trainer.lora))
+    run.engine.set_weights(policy_weights(state, run.trainer.lora))
     with jax.set_mesh(run.mesh):
         t0 = time.perf_counter()
-        trajs, stats = rollout(run.sampler, run.tokenizer, run.retriever, prompts,
-                               jax.random.fold_in(jax.random.key(c.seed), state.step), s.rollout, s.protocol)
+        trajs, stats = run.engine.run(prompts, jax.random.fold_in(jax.random.key(c.seed), state.step))
         seconds = time.perf_counter() - t0
-    run.sampler.release()  # the update's peak memory holds no sampler copy of the weights
+    run.engine.release()  # the update's peak memory holds no sampler copy of the weights
     rewards, cases, records = [], [], []
     for t in trajs:
         ex = examples[t.prompt_index]
@@ -173,7 +172,7 @@ def rollout_and_score(run: Run, state: TrainState, examples: list[Example]) -> S
     return Scored(examples, trajs, stats, rewards, cases, records, adv, seconds)
 
 
-def update(run: Run, state: TrainState, scored: Scored) -> tuple[dict, dict[str, np.ndarray], dict[str, float]]:
+def update(run: TrainRun, state: TrainState, scored: Scored) -> tuple[dict, dict[str, np.ndarray], dict[str, float]]:
     """Reference log-probs and one optimizer step (in place on `state`); returns the update's
     metrics, this process's batch rows and the pass times."""
     width, response = (agree_max(f(scored.trajs)) for f in (batch_width, response_width))
@@ -195,7 +194,7 @@ def update(run: Run, state: TrainState, scored: Scored) -> tuple[dict, dict[str,
     return m, host, times
 
 
-def step_metrics(run: Run, state: TrainState, scored: Scored, m: dict, host: dict, times: dict,
+def step_metrics(run: TrainRun, state: TrainState, scored: Scored, m: dict, host: dict, times: dict,
                  t_start: float) -> dict[str, float]:
     """The step's metrics over every process's trajectories (advances `state.skipped_total`)."""
     lr = float(learning_rate(run.settings.optim)(state.step - state.skipped_total))  # optax counts applied updates
@@ -228,7 +227,7 @@ def step_metrics(run: Run, state: TrainState, scored: Scored, m: dict, host: dic
     return metrics
 
 
-def evaluate_policy(run: Run, state: TrainState) -> dict[str, float]:
+def evaluate_policy(run: TrainRun, state: TrainState) -> dict[str, float]:
     """Greedy evaluation on the held-out questions, every process its share."""
     run.greedy.set_params(policy_weights(state, run.trainer.lora))
     s = run.settings
@@ -283,7 +282,7 @@ class StopSignals:
         self.previous = {}
 
 
-def save(run: Run, ckpt: Checkpointer, state: TrainState) -> None:
+def save(run: TrainRun, ckpt: Checkpointer, state: TrainState) -> None:
     ckpt.save(state.step, state.params, state.opt_state,
               {"step": state.step, "data_position": state.step * run.config.data.prompts_per_step,
                "skipped_total": state.skipped_total, "seed": run.config.seed,
@@ -309,13 +308,23 @@ def train(config: Config) -> dict[str, float]:
 
 def _train(config: Config, run_dir: str) -> dict[str, float]:
     ckpt = Checkpointer(os.path.join(run_dir, "ckpt"), keep=config.train.keep_checkpoints)
-    run = build(config, "train", resuming=ckpt.latest_step() is not None)
+    resuming = ckpt.latest_step() is not None
+    saved = os.path.join(run_dir, "config.json")
+    changes = resume_changes(run_config(run_dir, ""), config, saved) if resuming and os.path.exists(saved) else {}
+    run = build_train(config, resuming=resuming)
     state = initial_state(run, ckpt)
-    # Only once the checkpoint (if any) restored under this config: a refused resume leaves the
-    # run's config.json as it was, so evaluate and export still read the config it trained with.
+    # Only once the checkpoint (if any) restored under this config, and never over a resumed run's:
+    # config.json stays the config it trained with (evaluate and export read it); what a resume
+    # changed goes to resumes.jsonl, with the step it resumed from.
     if jax.process_index() == 0:
-        with open(os.path.join(run_dir, "config.json"), "w") as fh:
-            fh.write(config.to_json())
+        if changes:
+            with open(os.path.join(run_dir, "resumes.jsonl"), "a") as fh:
+                fh.write(json.dumps({"step": state.step, "changed": changes}) + "\n")
+            print(f"resumed at step {state.step} with changes (resumes.jsonl): "
+                  + ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in changes.items()), flush=True)
+        if not (resuming and os.path.exists(saved)):
+            with open(saved, "w") as fh:
+                fh.write(config.to_json())
     writer = MetricWriter(run_dir, resumed_step=state.step)
     t = config.train
     total, start = t.total_steps, state.step
@@ -359,7 +368,9 @@ def _train(config: Config, run_dir: str) -> dict[str, float]:
             if t.eval_every and state.step % t.eval_every == 0 and state.step != total:
                 evaluate_and_log()
     ckpt.close()
-    if start < total:
+    # The final evaluation, also when a run stopped during it restarts: its row is what the
+    # uninterrupted run would have written (process 0 reads the file; every process evaluates).
+    if agree_max(int(not writer.logged(total, "eval"))):
         metrics.update({f"eval/{k}": v for k, v in evaluate_and_log().items()})
     writer.close()
     return metrics

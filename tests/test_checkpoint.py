@@ -166,3 +166,25 @@ def test_evaluate_and_export_name_the_tensor_of_another_config(tmp_path):
         Checkpointer(str(tmp_path / "ckpt"), read_only=True).restore_params(None, other)
     with pytest.raises(CheckpointMismatch, match=r"holds 1 params tensors this config has not, first params\.b"):
         Checkpointer(str(tmp_path / "ckpt"), read_only=True).restore_params(None, {"w": jnp.zeros((64, 32))})
+
+
+def test_evaluate_and_exports_restore_names_a_missing_step_and_a_damaged_one(tmp_path):
+    """`evaluate --step 99` and a damaged step read for evaluation or export: one sentence naming the
+    directory and the step (it was orbax's own error, about 190 lines of it); the save-failure
+    message of a run with no checkpoint yet says so (it said "step None")."""
+    ckpt = Checkpointer(str(tmp_path / "ckpt"), async_save=False)
+    for step in (1, 2):
+        ckpt.save(step, _tree(step), {"mu": _tree(10 + step)}, {"step": step})
+    ckpt.close()
+    with pytest.raises(FileNotFoundError, match=r"ckpt: no step 99 \(the steps there: \[1, 2\]\)"):
+        Checkpointer(str(tmp_path / "ckpt"), read_only=True).restore_params(99, _tree(0))
+    for f in (p for p in (tmp_path / "ckpt" / "2" / "params").rglob("*") if p.is_file() and p.stat().st_size > 64):
+        f.write_bytes(f.read_bytes()[:16])
+    with pytest.raises(RuntimeError, match=r"ckpt: step 2 does not restore, though it is there: its files are "
+                                           r"damaged \(.*\); evaluate or export another step \(--step\)"):
+        Checkpointer(str(tmp_path / "ckpt"), read_only=True).restore_params(None, _tree(0))
+    params, step = Checkpointer(str(tmp_path / "ckpt"), read_only=True).restore_params(1, _tree(0))
+    assert step == 1
+    jax.tree.map(np.testing.assert_array_equal, params, _tree(1))
+    fresh = Checkpointer(str(tmp_path / "fresh"))
+    assert str(fresh._save_failed(OSError("disk"))).endswith("the last complete checkpoint is none yet (no step saved)")

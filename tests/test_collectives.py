@@ -7,7 +7,7 @@ import pytest
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from sem_jax.collectives import group_size, ici_bytes
+from sem_jax.aot.collectives import group_size, ici_bytes
 
 
 def test_each_collective_is_charged_what_a_ring_sends():

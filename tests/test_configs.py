@@ -123,11 +123,11 @@ def test_out_of_range_fields_are_refused_by_name(field, value, message):
 
 def test_one_trajectory_a_question_is_refused_for_training_not_for_evaluation():
     """GRPO needs groups of 2 or more; an evaluation samples one greedy row a question whatever it is."""
-    from sem_jax.assemble import build
+    from sem_jax.assemble import build_train
     from sem_jax.settings import ConfigError
     c = load(_load("cpu")).replace(**{"rollout.group_size": 1})
     with pytest.raises(ConfigError, match=r"config.rollout.group_size=1: training needs at least 2 \(GRPO's "):
-        build(c, "train")
+        build_train(c)
     assert load(_load("cpu")).replace(**{"rollout.group_size": 1}).rollout.group_size == 1  # loads: evaluate takes it
 
 
@@ -171,3 +171,11 @@ def test_the_settings_own_every_field_and_refuse_what_they_do_not_know():
             from_dict(tree)
     # A run's config.json from before a field existed: the newer field keeps its default.
     assert from_dict({"rl": {"beta": 0.5}}).rl == dataclasses.replace(Config().rl, beta=0.5)
+
+
+def test_a_missing_config_file_is_named_in_one_line():
+    """It was absl's traceback ending "Failed loading config file config_config"."""
+    from sem_jax.config import parse_flags
+    for argv in (["prog", "--config", "configs/nope.py:x"], ["prog", "--config=configs/nope.py"]):
+        with pytest.raises(SystemExit, match=r"^--config configs/nope\.py(:x)?: no such file \(/.*configs/nope\.py\)$"):
+            parse_flags(argv)

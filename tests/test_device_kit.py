@@ -87,3 +87,27 @@ def test_a_damaged_or_foreign_part_is_named(kit, files, tmp_path):
     with pytest.raises(SystemExit, match="the joined GGUF hashes to"):
         kit.join_gguf(str(stage), m)
     assert not (stage / "model.gguf").exists()
+
+
+def test_unpack_checks_the_staged_data_against_the_manifest(kit, files, tmp_path):
+    """A staged data file changed or lost after `stage` checked it is named, and nothing is
+    copied; a damaged manifest is named too."""
+    gguf, data, wheels = files
+    m = kit.pack(str(tmp_path / "kit"), str(gguf), str(data), None, part_bytes=4096, reserve=0)
+    stage = tmp_path / "stage"
+    assert kit.stage(str(tmp_path / "kit"), str(stage)) == []
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "sem_jax_source.json").write_text("{}")  # converted already: unpack copies the data only
+    staged = stage / "data" / "mmlu_test.jsonl"
+    staged.write_bytes(b"M" + staged.read_bytes()[1:])
+    with pytest.raises(SystemExit, match=f"{staged}: 150 bytes, not the 150 bytes with sha256 "
+                                         f"{m['files']['data/mmlu_test.jsonl']['sha256'][:12]}"):
+        kit.unpack(str(stage), str(model), str(tmp_path / "out_data"), None)
+    staged.unlink()
+    with pytest.raises(SystemExit, match=f"{staged}: missing from the stage"):
+        kit.unpack(str(stage), str(model), str(tmp_path / "out_data"), None)
+    assert not (tmp_path / "out_data").exists()
+    (stage / kit.MANIFEST).write_text('{"parts": 1, "fil')
+    with pytest.raises(SystemExit, match=f"{stage / kit.MANIFEST}: damaged, not readable as JSON"):
+        kit.unpack(str(stage), str(model), str(tmp_path / "out_data"), None)

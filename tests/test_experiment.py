@@ -187,3 +187,51 @@ def test_the_experiment_checks_its_inputs_before_pinning_its_config(tmp_path, mo
     with pytest.raises(Refused, match="matplotlib, which is not installed"):
         run_experiment(config, str(out))
     assert not (out / "experiment.json").exists()
+
+
+def test_a_training_stage_stopped_early_is_not_marked_finished(tmp_path, monkeypatch):
+    """A stop signal ends `train` cleanly (saved, exit 0) before its last step: the stage must then
+    not be marked finished (a resumed experiment skipped SEM's last 8 of 30 steps and evaluated
+    step 22). The same run reaching its last step is marked."""
+    from sem_jax.errors import Refused
+    from sem_jax.experiment import pipeline
+    from sem_jax.settings import Config
+
+    cfg = Config().replace(**{"run_dir": str(tmp_path / "sem"), "train.total_steps": 30})
+    reached = {"step": 22}
+
+    class Saved:  # the run's checkpoint directory, as far as the stage reads it
+        def __init__(self, directory, read_only):
+            assert directory == os.path.join(cfg.run_dir, "ckpt") and read_only
+
+        def latest_step(self):
+            return reached["step"]
+
+    monkeypatch.setattr(pipeline, "train", lambda c: (os.makedirs(c.run_dir, exist_ok=True), {"em": 0.5})[1])
+    monkeypatch.setattr(pipeline, "Checkpointer", Saved)
+    with pytest.raises(Refused, match=r"sem: training stopped at step 22 of 30, so the sem stage is not finished; "
+                                      "run the same command again to resume it"):
+        pipeline.train_stage(cfg, "sem")
+    assert not pipeline.stage_done(str(tmp_path), "sem")
+    reached["step"] = 30
+    pipeline.train_stage(cfg, "sem")
+    assert pipeline.stage_done(str(tmp_path), "sem")
+    assert json.loads((tmp_path / "sem" / "finished.json").read_text()) == {"last_step_metrics": {"em": 0.5}}
+
+
+def test_damaged_experiment_files_are_named(tmp_path):
+    """experiment.json and a policy's results.json cut short: a sentence naming the file and what
+    to do, not a bare JSONDecodeError."""
+    from sem_jax.errors import Refused
+    from sem_jax.experiment.pipeline import saved_config
+    from sem_jax.experiment.report import read_results
+    from sem_jax.settings import Config
+
+    (tmp_path / "experiment.json").write_text('{"seed": 0, "mod')
+    with pytest.raises(Refused, match=re.escape(f"{tmp_path}/experiment.json: damaged, not readable as JSON (")
+                       + r".*it is the experiment's config, written at its first start: restore it, or start again"):
+        saved_config(Config(), str(tmp_path))
+    (tmp_path / "eval" / "sem").mkdir(parents=True)
+    (tmp_path / "eval" / "sem" / "results.json").write_bytes(b"\xff\xfe{")
+    with pytest.raises(Refused, match=r"eval/sem/results\.json: damaged, .*delete eval/sem and run the experiment"):
+        read_results(str(tmp_path), ["warm", "sem"])

@@ -106,3 +106,49 @@ def test_evaluate_checks_its_flags_first_and_writes_beside_the_checkpoint_it_rea
     proc = _run("sem_jax.evaluate", f"--checkpoint={run}/ckpt", "--modes=direct", "--limit=1")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert (run / "eval" / "results.json").exists() and not (trained / "eval").exists()
+
+
+def test_a_run_stopped_during_its_final_evaluation_redoes_it_on_restart(run):
+    """Killed after its last checkpoint, during the final evaluation: the restart wrote nothing and
+    exited 0, and that evaluation's row was lost for good. It now redoes the evaluation (and only
+    that: no step is trained again)."""
+    path = run / "metrics.jsonl"
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    final = [r for r in rows if r["split"] == "eval" and r["step"] == 2]
+    assert len(final) == 1
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows if r not in final))
+    proc = _train(run, *SHAPE, "--config.train.total_steps=2")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    again = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [r for r in again if r["split"] == "train"] == [r for r in rows if r["split"] == "train"]
+    redone = [r for r in again if r["split"] == "eval" and r["step"] == 2]
+    assert len(redone) == 1 and redone[0].keys() == final[0].keys()
+    assert sorted(os.listdir(run / "ckpt")) == ["1", "2"]
+    # Restarted once more, with the row there: nothing to do.
+    proc = _train(run, *SHAPE, "--config.train.total_steps=2")
+    assert proc.returncode == 0 and path.read_text().count('"split": "eval"') == len([r for r in again
+                                                                                     if r["split"] == "eval"])
+
+
+def test_a_resume_may_change_how_a_run_goes_not_what_it_trains(run):
+    """A resume under another reward, protocol or optimizer was accepted and config.json rewritten.
+    Now such a resume is refused naming every field (nothing written); one that changes only how
+    long the run goes and how it computes is accepted and recorded in resumes.jsonl, and
+    config.json stays the config the run started with."""
+    config = (run / "config.json").read_text()
+    proc = _train(run, *SHAPE, "--config.train.total_steps=3", "--config.reward=research",
+                  "--config.optim.lr=0.5", "--config.protocol=research")
+    assert proc.returncode == 1
+    assert proc.stderr.strip().splitlines()[-1] == (
+        f"refused: {run}/config.json: a resumed run cannot change what it trains (optim.lr: 0.0001 -> 0.5; "
+        "protocol: 'sem' -> 'research'; reward: None -> 'research'). Nothing was changed; resume with the run's "
+        "config, or train in a new run_dir")
+    assert (run / "config.json").read_text() == config and not (run / "resumes.jsonl").exists()
+    assert sorted(os.listdir(run / "ckpt")) == ["1", "2"]
+
+    proc = _train(run, *SHAPE, "--config.train.total_steps=3", "--config.rollout.slots=2")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (run / "config.json").read_text() == config
+    (record,) = [json.loads(line) for line in (run / "resumes.jsonl").read_text().splitlines()]
+    assert record["step"] == 2 and record["changed"]["train.total_steps"] == [2, 3]
+    assert record["changed"]["rollout.slots"] == [0, 2] and sorted(os.listdir(run / "ckpt"))[-1] == "3"

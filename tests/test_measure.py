@@ -1,4 +1,4 @@
-"""Measured beside predicted (`sem_jax.measure`, `sem_jax.aot --roofline --measure`)."""
+"""Measured beside predicted (`sem_jax.aot.measure`, `sem_jax.aot --roofline --measure`)."""
 
 import json
 import os
@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
-from sem_jax.measure import chip_of, compare, concrete, run
-from sem_jax.programs import Filled, Program
-from sem_jax.roofline import CHIPS, Call
+from sem_jax.aot.measure import chip_of, compare, concrete, run
+from sem_jax.aot.programs import Filled, Program
+from sem_jax.aot.roofline import CHIPS, Call
 from sem_jax.sharding import make_mesh
 from subprocs import cpu_env
 
@@ -142,7 +142,7 @@ def test_op_times_reads_a_device_trace(tmp_path):
     line and the host's events are not counted twice); without that line, the device's kernels."""
     import gzip
 
-    from sem_jax.measure import op_times
+    from sem_jax.aot.measure import op_times
 
     def trace(events, where):
         path = tmp_path / where / "plugins" / "profile" / "run"

@@ -444,6 +444,23 @@ def test_a_step_replays_bit_for_bit_whatever_the_retrievers_latency(qwen25_token
     assert runs[1][1].retrieval_wait_s > 0  # the slow retriever was waited for at its answers' step
 
 
+def test_a_boundary_is_agreed_between_processes_in_one_exchange(qwen25_tokenizer, retriever, monkeypatch):
+    """Multi-process runs agree a boundary (device work, rows left, the next due step, the refill
+    call's shapes) in one exchange: a step's exchanges are its set-up's three (prompt count, slots,
+    prompt width) and one a boundary, however many rows it appends to and admits there."""
+    from sem_jax import hosts
+
+    tok = qwen25_tokenizer
+    sampler, prompts, script = _engine_case(tok, False, window_steps=8)
+    calls = []
+    for name in ("agree_max", "agree_max_each"):
+        monkeypatch.setattr(hosts, name, lambda *v, _f=getattr(hosts, name): (calls.append(v), _f(*v))[1])
+    trajs, stats = rollout(sampler, tok, retriever, prompts, jax.random.key(7),
+                           RolloutConfig(group_size=3, **ENGINE_BASE, slots=4, chunk_steps=3), script=script)
+    assert stats.admissions == 9 - 4 and stats.inserts >= 6 and stats.refills >= 6
+    assert len(calls) == 3 + stats.boundaries + 1  # the last boundary agrees that no rows are left
+
+
 def test_continuous_engine_on_the_spread_sampler_mesh(qwen25_tokenizer, retriever):
     """The engine's device calls (admissions into freed slots, appends to a gathered sub-batch) on
     the spread sampler layout (8 devices as 4 groups of 2, rows over the groups, the MLP and the

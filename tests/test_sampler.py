@@ -401,7 +401,7 @@ def test_spread_layout_sends_the_rows_not_the_weights():
     from flax import nnx
     from policies import Qwen2Config
 
-    from sem_jax.programs import cost
+    from sem_jax.aot.programs import cost
     from sem_jax.sharding import batch_sharding, make_mesh, shard_params, tensor_groups
 
     cfg = Qwen2Config(vocab_size=256, hidden_size=64, intermediate_size=1024, num_layers=2, num_heads=8,
@@ -451,7 +451,7 @@ def test_per_layer_defaults_by_platform():
     keeps them, none on a TPU."""
     from flax import nnx
 
-    from sem_jax.programs import sampler_layers
+    from sem_jax.aot.programs import sampler_layers
     from sem_jax.kernels.dispatch import per_layer_default
 
     assert [per_layer_default(sampler=True, platform=p) for p in ("cpu", "gpu", "tpu")] == [True, True, False]

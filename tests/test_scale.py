@@ -19,12 +19,17 @@ def _aot(*args):
 def test_aot_check_small_topology():
     pytest.importorskip("libtpu", reason="jax[tpu] (libtpu) not installed: the compile-only TPU check is skipped")
     ok = _aot("--config", "configs/demo_cpu.py", "--topology", "v4:2x2x1", "--config.rl.beta=0.04",
-              "--config.model.eval_dtype=bfloat16", "--config.rollout.tensor=2")
+              "--config.model.eval_dtype=bfloat16", "--config.rollout.tensor=2", "--config.rollout.slots=3",
+              "--config.rollout.narrow=True")
     assert ok.returncode == 0, ok.stderr[-3000:]
     assert "rollout in tensor-parallel groups of 2" in ok.stdout
+    # The engine's own programs at its width (3 slots rounded up to the 2 groups' multiple);
+    # narrowing does not apply to rows split over groups.
     for step in ("grpo update", "reference logprobs", "sampler prefill", "sampler decode loop",
-                 "eval (bfloat16) prefill", "eval (bfloat16) decode loop"):
+                 "eval (bfloat16) prefill", "eval (bfloat16) decode loop", "engine, 4 slots: prompt cache",
+                 "engine, 4 slots: empty slots", "engine, 4 slots: decode loop"):
         assert f"| {step} |" in ok.stdout
+    assert "| engine, 4 slots: refill (" in ok.stdout and "narrowed" not in ok.stdout
     assert "| sampler insert (" in ok.stdout and "| eval (bfloat16) insert (" in ok.stdout
     assert ok.stdout.rstrip().endswith("fits")
     # 8 layers of width 8192, replicated (no FSDP): ~34 GB of f32 weights per device.
@@ -207,7 +212,7 @@ from flax import nnx
 from jax.experimental import topologies
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from sem_jax.model import Qwen2, Qwen2Config
-from sem_jax.programs import cost
+from sem_jax.aot.programs import cost
 from sem_jax.sharding import MESH_AXES, AXIS_TYPES
 devices = topologies.get_topology_desc(platform="tpu", topology_name="v4:2x2x1").devices
 mesh = Mesh(np.array(devices).reshape(-1, 1, 2), MESH_AXES, axis_types=AXIS_TYPES)
@@ -270,10 +275,10 @@ import jax, jax.numpy as jnp
 from flax import nnx
 from sem_jax.model import Qwen2Config
 from sem_jax.assemble import abstract_model
-from sem_jax.programs import cost, target_devices
+from sem_jax.aot.programs import cost, target_devices
 from sem_jax.config import base_config
 from sem_jax.settings import load
-from sem_jax.roofline import set_analysis_flags, weight_bytes, weight_shares
+from sem_jax.aot.roofline import set_analysis_flags, weight_bytes, weight_shares
 from sem_jax.sharding import make_mesh, tensor_groups
 set_analysis_flags()  # CMEM staging off: the bytes counted are HBM bytes
 devices = target_devices("v4:2x2x1")
@@ -315,10 +320,10 @@ from flax import nnx
 from sem_jax.model import Qwen2Config
 from sem_jax.kernels.tpu_layout import lanes_swapped, sublanes_moved
 from sem_jax.assemble import abstract_model
-from sem_jax.programs import cost, target_devices
+from sem_jax.aot.programs import cost, target_devices
 from sem_jax.config import base_config
 from sem_jax.settings import load
-from sem_jax.roofline import set_analysis_flags
+from sem_jax.aot.roofline import set_analysis_flags
 from sem_jax.sharding import make_mesh, tensor_groups
 set_analysis_flags()  # CMEM staging off: the bytes counted are HBM bytes
 devices = target_devices("v4:2x2x1")
@@ -378,7 +383,7 @@ import json
 import jax, jax.numpy as jnp
 from jax.experimental import topologies
 from sem_jax.model.qwen2 import _dense
-from sem_jax.roofline import set_analysis_flags
+from sem_jax.aot.roofline import set_analysis_flags
 set_analysis_flags()  # CMEM staging off: the bytes counted are HBM bytes
 dev = topologies.get_topology_desc(platform="tpu", topology_name="v4:2x2x1").devices[0]
 arg = lambda s: jax.ShapeDtypeStruct(s, jnp.bfloat16, sharding=jax.sharding.SingleDeviceSharding(dev))
@@ -406,7 +411,7 @@ def test_projections_read_their_kernels_in_place_on_tpu():
 def test_roofline_rollout_at_a_measured_occupancy():
     """The engine's rollout replaces the decode step's max_new_tokens calls by mean_tokens /
     occupancy of them, and leaves every other call as it was: a hand count."""
-    from sem_jax.roofline import CHIPS, Call, engine_rollout, summary
+    from sem_jax.aot.roofline import CHIPS, Call, engine_rollout, summary
 
     calls = [Call("prefill", 1, 4e12, 1e9, 4e12, 1e9), Call("decode step (window 512)", 128, 1e11, 2e10, 1e11, 2e10),
              Call("update (8 rows)", 4, 8e13, 1e10, 8e13, 1e10, part="update")]
@@ -427,7 +432,7 @@ def test_a_call_too_big_unrolled_whole_is_counted_from_two_unrolls():
     any other compile error is not swallowed."""
     import jax
 
-    from sem_jax.roofline import whole_or_counted
+    from sem_jax.aot.roofline import whole_or_counted
 
     class Compiled:
         def __init__(self, unroll):

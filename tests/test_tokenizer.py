@@ -138,3 +138,20 @@ def test_a_directory_without_tokenizer_files_says_so(tmp_path):
         load_tokenizer(str(tmp_path))
     with pytest.raises(FileNotFoundError, match="tokenizer directory not found"):
         load_tokenizer(str(tmp_path / "nowhere"))
+
+
+def test_a_damaged_tokenizer_json_is_named(qwen25_tokenizer, tmp_path):
+    """A tokenizer.json cut short, or without its `added_tokens`: a sentence naming the file (it was
+    a bare `KeyError: 'added_tokens'` or the tokenizers library's parse error)."""
+    import json
+
+    qwen25_tokenizer.save_pretrained(str(tmp_path / "ok"))
+    text = (tmp_path / "ok" / "tokenizer.json").read_text()
+    for name, damaged in (("cut", text[:len(text) // 2]),
+                          ("keyless", json.dumps({k: v for k, v in json.loads(text).items() if k != "added_tokens"}))):
+        d = tmp_path / name
+        d.mkdir()
+        (d / "tokenizer.json").write_text(damaged)
+        with pytest.raises(ValueError, match=rf"{d}/tokenizer.json \(or tokenizer_config.json beside it\): not a "
+                                             r"readable tokenizer \(.*the file may be damaged"):
+            load_tokenizer(str(d))

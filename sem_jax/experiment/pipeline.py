@@ -27,13 +27,14 @@ import subprocess
 import sys
 import time
 
-from sem_jax.assemble import build
+from sem_jax.assemble import build_evaluation
+from sem_jax.checkpoint import Checkpointer
 from sem_jax.data.questions import load_questions
 from sem_jax.evaluate import evaluate_modes, parse_modes
-from sem_jax.errors import Refused
+from sem_jax.errors import Refused, read_json
 from sem_jax.experiment.data import EVAL_SETS, prepare_data, real_file
 from sem_jax.experiment.report import write_report
-from sem_jax.settings import Config
+from sem_jax.settings import Config, flat_fields
 from sem_jax.sft import finetune
 from sem_jax.train import train
 
@@ -75,7 +76,7 @@ def stage_configs(config: Config, out: str, files: dict[str, str]) -> dict[str, 
 def _evaluate(config: Config, out: str, files: dict[str, str], modes: list[str], *, hf: str | None = None,
               checkpoint: str | None = None) -> None:
     os.makedirs(out, exist_ok=True)
-    run = build(config, "evaluate", checkpoint=checkpoint, hf=hf)
+    run = build_evaluation(config, checkpoint=checkpoint, hf=hf)
     data = {name: run.cap(load_questions(files[name]), name) for name in EVAL_SETS}
     s = run.settings
     evaluate_modes(run.greedy, run.tokenizer, run.retriever, data, modes, s.rollout, batch_size=run.eval_batch,
@@ -102,8 +103,7 @@ def run_stage(config: Config, out: str, name: str) -> None:
     if name == "warm":
         finetune(cfgs["warm"], os.path.join(out, "warm"))
     elif name in ("sem", "research"):
-        metrics = train(cfgs[name])
-        _mark(cfgs[name].run_dir, {"last_step_metrics": metrics})
+        train_stage(cfgs[name], name)
     elif name.startswith("eval/"):
         policy = name.split("/", 1)[1]
         cfg, source = {"base": (cfgs["eval/base"], dict(hf=config.model.path)),
@@ -116,11 +116,15 @@ def run_stage(config: Config, out: str, name: str) -> None:
         raise ValueError(f"stage {name!r}; choose one of {STAGES}")
 
 
-def _flat(tree: dict, prefix: str = "") -> dict:
-    out = {}
-    for k, v in tree.items():
-        out.update(_flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
-    return out
+def train_stage(cfg: Config, name: str) -> None:
+    """Train (or resume) `name`'s run; marked finished only once it has reached its last step."""
+    metrics = train(cfg)
+    # A stop signal ends training early and cleanly (saved, exit 0): not the end of the stage.
+    reached = Checkpointer(os.path.join(cfg.run_dir, "ckpt"), read_only=True).latest_step()
+    if reached != cfg.train.total_steps:
+        raise Refused(f"{cfg.run_dir}: training stopped at step {reached} of {cfg.train.total_steps}, so the "
+                      f"{name} stage is not finished; run the same command again to resume it")
+    _mark(cfg.run_dir, {"last_step_metrics": metrics})
 
 
 def saved_config(config: Config, out: str) -> None:
@@ -131,11 +135,11 @@ def saved_config(config: Config, out: str) -> None:
         with open(path, "w") as fh:
             fh.write(config.to_json())
         return
-    with open(path) as fh:
-        before = _flat(json.load(fh))
-    now = _flat(json.loads(config.to_json()))
+    before = flat_fields(read_json(path, "the experiment's config, written at its first start: restore it, or start "
+                                   "again in a new --out"))
+    now = flat_fields(json.loads(config.to_json()))
     # A field newer than the run is no change while it keeps its default (the run had that behaviour).
-    defaults = _flat(json.loads(Config().to_json()))
+    defaults = flat_fields(json.loads(Config().to_json()))
     changed = sorted(k for k in set(before) | set(now) if before.get(k, defaults.get(k)) != now.get(k))
     if changed:
         raise ValueError(f"{out} holds an experiment run with another config (changed: {', '.join(changed[:6])}); "

@@ -12,6 +12,7 @@ import math
 import os
 
 from sem_jax.demo.report import read_metrics, smooth
+from sem_jax.errors import read_json
 from sem_jax.evaluate import results_table
 
 KNOWN, UNKNOWN = "mmlu", "multihop"
@@ -25,8 +26,8 @@ def read_results(out: str, policies: list[str]) -> dict[str, dict]:
     for name in policies:
         path = os.path.join(out, "eval", name, "results.json")
         if os.path.exists(path):
-            with open(path) as fh:
-                found[name] = json.load(fh)
+            found[name] = read_json(path, f"the {name} policy's evaluation: delete eval/{name} and run the "
+                                          "experiment again to redo it")
     return found
 
 

@@ -9,13 +9,12 @@ four evaluations.
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 
 import jax
 
-from sem_jax.errors import exit_on_error
+from sem_jax.errors import exit_on_error, read_json
 from sem_jax.experiment.pipeline import STAGES, run_stage
 from sem_jax.settings import load
 
@@ -24,8 +23,8 @@ def main(argv: list[str]) -> None:
     if len(argv) != 2 or argv[1] not in STAGES:
         raise SystemExit(f"usage: python -m sem_jax.experiment.stage OUT STAGE (STAGE one of {', '.join(STAGES)})")
     out, name = argv
-    with open(os.path.join(out, "experiment.json")) as fh:
-        config = load(json.load(fh))
+    config = load(read_json(os.path.join(out, "experiment.json"), "the experiment's config, written at its first "
+                                                                   "start"))
     jax.config.update("jax_compilation_cache_dir", os.path.join(out, "xla_cache"))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
     run_stage(config, out, name)

@@ -267,7 +267,7 @@ class Qwen2(nnx.Module):
         self.attention_kernel = attention_kernel
         self.decode_kernel = decode_kernel
         # Layers per iteration of the layer scans. XLA's cost analysis counts a loop's body once,
-        # so `sem_jax.roofline` compiles 1 and 2 and takes one layer's cost as the difference.
+        # so `sem_jax.aot.roofline` compiles 1 and 2 and takes one layer's cost as the difference.
         self.scan_unroll = scan_unroll
         self.dtype = dtype
         self.param_dtype = param_dtype

@@ -72,7 +72,12 @@ def load_tokenizer(path: str) -> PreTrainedTokenizerFast:
     if os.path.exists(os.path.join(path, "tokenizer.json")):
         # A fast tokenizer loads as itself: AutoTokenizer would import torch (through
         # transformers' configuration module) at every start, for the same tokenizer.
-        tokenizer = PreTrainedTokenizerFast.from_pretrained(path, local_files_only=True)
+        try:
+            tokenizer = PreTrainedTokenizerFast.from_pretrained(path, local_files_only=True)
+        except Exception as e:  # noqa: BLE001 - tokenizers and transformers raise KeyError, ValueError, Exception
+            raise ValueError(f"{path}/tokenizer.json (or tokenizer_config.json beside it): not a readable tokenizer "
+                             f"({type(e).__name__}: {str(e)[:200]}); the file may be damaged: copy the model's "
+                             "tokenizer files again") from None
     else:
         from transformers import AutoTokenizer
         tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=False, local_files_only=True)

@@ -71,23 +71,25 @@ def _build(passages, out_dir: str, bm25s, *, stemmer, stopwords, k1, b, chunk, t
     return {**settings, **stats, "seconds": time.time() - start}
 
 
-def _write(passages, scratch, bm25s, stemmer, stopwords, k1, b, chunk, total, show_progress) -> dict:
-    vocab: dict[str, int] = {}
-    df = np.zeros(1 << 16, np.int64)
-    lengths, hashes, chunk_sizes = [], [], []
-    blank: list[str] = []
-    n_blank = n = nnz = 0
-    files = {k: open(os.path.join(scratch, f"triples.{k}"), "wb") for k in ("doc", "term", "tf")}
-    corpus = open(os.path.join(scratch, "corpus.jsonl"), "wb")
-    offsets: list[int] = []
-    bar = tqdm(total=total, desc="indexing", unit=" passages", disable=not show_progress, mininterval=2)
+class _Triples:
+    """The corpus's (passage, term, count) triples, written chunk by chunk to scratch files with the
+    index's term ids, the document frequencies and lengths, and the corpus copy with its offsets."""
 
-    def flush(rows: list[dict[str, str]]) -> None:
-        nonlocal n, nnz, df
+    def __init__(self, scratch: str, bm25s, stemmer, stopwords):
+        self.bm25s, self.stemmer, self.stopwords = bm25s, stemmer, stopwords
+        self.vocab: dict[str, int] = {}
+        self.df = np.zeros(1 << 16, np.int64)
+        self.lengths, self.hashes, self.chunk_sizes, self.offsets = [], [], [], []
+        self.n = self.nnz = 0
+        self.files = {k: open(os.path.join(scratch, f"triples.{k}"), "wb") for k in ("doc", "term", "tf")}
+        self.corpus = open(os.path.join(scratch, "corpus.jsonl"), "wb")
+
+    def add(self, rows: list[dict[str, str]]) -> None:
         if not rows:
             return
-        tokens = bm25s.tokenize([f"{r['title']}\n{r['text']}" for r in rows], stopwords=stopwords, stemmer=stemmer,
-                                show_progress=False)
+        vocab = self.vocab
+        tokens = self.bm25s.tokenize([f"{r['title']}\n{r['text']}" for r in rows], stopwords=self.stopwords,
+                                     stemmer=self.stemmer, show_progress=False)
         # The chunk's own term ids -> the index's: one lookup per distinct term; new terms numbered in
         # sorted order (bm25s numbers a chunk's terms in set order, which differs from run to run).
         local = np.empty(len(tokens.vocab), np.int64)
@@ -95,26 +97,36 @@ def _write(passages, scratch, bm25s, stemmer, stopwords, k1, b, chunk, total, sh
             local[i] = vocab.setdefault(w, len(vocab))
         doc = np.repeat(np.arange(len(rows), dtype=np.int64), [len(t) for t in tokens.ids])
         term = local[np.fromiter(itertools.chain.from_iterable(tokens.ids), np.int64, count=len(doc))]
-        if len(vocab) > len(df):
-            df = np.concatenate([df, np.zeros(max(len(vocab), 2 * len(df)) - len(df), np.int64)])
+        if len(vocab) > len(self.df):
+            self.df = np.concatenate([self.df, np.zeros(max(len(vocab), 2 * len(self.df)) - len(self.df), np.int64)])
         # (passage, term) pairs with their counts, ordered by passage then term.
         keys, tf = np.unique(doc * len(vocab) + term, return_counts=True)
         d, t = keys // len(vocab), keys % len(vocab)
-        df[:len(vocab)] += np.bincount(t, minlength=len(vocab))
-        (d + n).astype(STATE_INT).tofile(files["doc"])
-        t.astype(STATE_INT).tofile(files["term"])
-        tf.astype(STATE_FLOAT).tofile(files["tf"])
-        lengths.append(np.bincount(doc, minlength=len(rows)).astype(np.int64))
-        hashes.append(np.array([_id_hash(r["id"]) for r in rows], np.int64))
-        chunk_sizes.append(len(keys))
+        self.df[:len(vocab)] += np.bincount(t, minlength=len(vocab))
+        (d + self.n).astype(STATE_INT).tofile(self.files["doc"])
+        t.astype(STATE_INT).tofile(self.files["term"])
+        tf.astype(STATE_FLOAT).tofile(self.files["tf"])
+        self.lengths.append(np.bincount(doc, minlength=len(rows)).astype(np.int64))
+        self.hashes.append(np.array([_id_hash(r["id"]) for r in rows], np.int64))
+        self.chunk_sizes.append(len(keys))
         for r in rows:
-            offsets.append(corpus.tell())
-            corpus.write(json.dumps({"id": r["id"], "title": r["title"], "text": r["text"]}, ensure_ascii=False)
-                         .encode() + b"\n")
-        n += len(rows)
-        nnz += len(keys)
-        bar.update(len(rows))
+            self.offsets.append(self.corpus.tell())
+            self.corpus.write(json.dumps({"id": r["id"], "title": r["title"], "text": r["text"]}, ensure_ascii=False)
+                              .encode() + b"\n")
+        self.n += len(rows)
+        self.nnz += len(keys)
 
+    def close(self) -> None:
+        self.corpus.close()
+        for fh in self.files.values():
+            fh.close()
+
+
+def _write(passages, scratch, bm25s, stemmer, stopwords, k1, b, chunk, total, show_progress) -> dict:
+    out = _Triples(scratch, bm25s, stemmer, stopwords)
+    blank: list[str] = []
+    n_blank = 0
+    bar = tqdm(total=total, desc="indexing", unit=" passages", disable=not show_progress, mininterval=2)
     rows: list[dict[str, str]] = []
     try:
         for where, row in passages:
@@ -125,34 +137,35 @@ def _write(passages, scratch, bm25s, stemmer, stopwords, k1, b, chunk, total, sh
                 continue
             rows.append(row)
             if len(rows) >= chunk:
-                flush(rows)
+                out.add(rows)
+                bar.update(len(rows))
                 rows = []
-        flush(rows)
+        out.add(rows)
+        bar.update(len(rows))
     finally:
         bar.close()
-        corpus.close()
-        for fh in files.values():
-            fh.close()
-    repeated = _repeated_ids(np.concatenate(hashes) if hashes else np.zeros(0, np.int64), scratch, offsets)
+        out.close()
+    repeated = _repeated_ids(np.concatenate(out.hashes) if out.hashes else np.zeros(0, np.int64), scratch, out.offsets)
     if n_blank or repeated[0]:
         raise CorpusError("the corpus cannot be indexed: "
                           + "; ".join(x for x in (
                               f"{n_blank} passage(s) with a blank text (first: {', '.join(blank)})" if n_blank else "",
                               f"{repeated[0]} repeated id(s) (first: {', '.join(repeated[1])})" if repeated[0] else "")
                                      if x) + "; mend or drop them and build again")
-    if not n:
+    if not out.n:
         raise CorpusError("the corpus holds no passage")
-    terms = len(vocab)
+    vocab, terms = out.vocab, len(out.vocab)
     vocab.setdefault("", terms)  # bm25s's empty token, past the last column as bm25s puts it
-    _score(scratch, df[:terms], np.concatenate(lengths), chunk_sizes, nnz, k1, b, show_progress)
+    _score(scratch, out.df[:terms], np.concatenate(out.lengths), out.chunk_sizes, out.nnz, k1, b, show_progress)
     with open(os.path.join(scratch, "vocab.index.json"), "w", encoding="utf-8") as fh:
         json.dump(vocab, fh, ensure_ascii=False)
     with open(os.path.join(scratch, "corpus.mmindex.json"), "w") as fh:
-        json.dump(offsets, fh)
+        json.dump(out.offsets, fh)
     with open(os.path.join(scratch, "params.index.json"), "w") as fh:
         json.dump({"k1": k1, "b": b, "delta": 0.5, "method": "lucene", "idf_method": "lucene", "dtype": "float32",
-                   "int_dtype": "int32", "num_docs": n, "version": bm25s.__version__, "backend": "numpy"}, fh, indent=4)
-    return {"passages": n, "vocabulary": len(vocab), "postings": nnz}
+                   "int_dtype": "int32", "num_docs": out.n, "version": bm25s.__version__, "backend": "numpy"}, fh,
+                  indent=4)
+    return {"passages": out.n, "vocabulary": len(vocab), "postings": out.nnz}
 
 
 def _repeated_ids(hashes: np.ndarray, scratch: str, offsets: list[int]) -> tuple[int, list[str]]:

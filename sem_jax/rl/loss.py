@@ -48,7 +48,7 @@ def token_logprobs(model: Qwen2, inputs: jax.Array, targets: jax.Array, chunk: i
     the prompt's work once per group instead of once per row, as the sampler's prefill does.
 
     `unroll_head`: chunks per iteration of the loop over them (the same values): XLA's cost
-    analysis counts a loop's body once, so `sem_jax.roofline` compiles 1 and 2.
+    analysis counts a loop's body once, so `sem_jax.aot.roofline` compiles 1 and 2.
 
     `layers`: the per-layer weights to run (as `per_layer`, but given: LoRA's adapted layers).
     `residual` [B, T, E]: the residual stream entering `layers[0]` at every input position (the

@@ -1,30 +1,44 @@
 """The search-aware rollout engine: the host loop around the compiled sampler.
 
-A step's rows (prompt x G) go through a fixed number of decode slots. The device decodes every
-active slot until a row pauses or, while queued rows wait for a slot, ends, or until the step at
-which pending answers are due. At a boundary the host collects the rows that ended (their slots
-free up), sends the queries of rows that paused at `</search>` to the retriever on a thread pool,
-and in ONE batched call appends the result blocks that are due, ends rows and admits queued rows
-into the free slots (copied from a cache of the step's prompts, each prefilled once at the start,
-whenever its group's rows are admitted). A row that waits for its results holds its slot but not
-the others. An answer is due `chunk_steps` decode steps after its query was sent (or sooner, when
-no slot has anything to decode) and is waited for if it is not back by then: the retriever runs
-beside those steps, and the schedule (every call's shapes, and so their float rounding) is a
-function of the rows alone, so a step replays bit for bit whatever the retriever's latency.
+`Engine(sampler, tokenizer, retriever, cfg, protocol)`: `set_weights(params)`, then `run(prompts,
+key)` hands back G trajectories per prompt (token ids, the sampler's log-probs, loss masks) and the
+step's stats; `release()` drops the sampler's weights while the trainer updates them. `rollout(...)`
+is one `run` of a new engine.
 
-`narrow=True`: once the queue is empty, the decode batch halves while the rows that hold slots fit
-in half of it (they move to the first slots, their cache lines with them): a step's tail decodes
-its last rows, not its empty slots. The widths follow the schedule, so a narrowed step replays bit
-for bit too; its tail's rows decode at other widths than the rest and round differently, so it is
-off by default (see `sem_jax.settings`).
+Glossary:
 
-`lockstep=True` is the same engine with barriers: decoding runs until no row is active, the
-paused rows' queries go to the retriever together and are waited for, and rows are admitted only
-when every slot is free (with slots = rows: one static batch, as a lockstep sampler runs it).
+- **row**: one trajectory, `prompt * G + g`. Its random draws are keyed by (key, row, position)
+  (`sampler.row_keys`), so its tokens depend neither on its slot, its neighbours nor the setting.
+- **group**: the G rows of one prompt, GRPO's group.
+- **slot**: a place in the device's decode batch, holding one row at a time (`_Slots`, the slot table).
+- **padding row**: a row past the step's real rows, added so that every process has the same number of
+  rows, a multiple of its batch shards (its prompt repeats the last one). It is never admitted from
+  the queue, ends at its first pause, and is dropped.
+- **pause**: a row stopped at the protocol's stop string, waiting for its results. It holds its slot,
+  not the others.
+- **boundary**: a return from the device to the host, and what the host does there, in this order:
+  collect the rows that ended (their slots free up) -> serve the new pauses (send their queries to the
+  retriever's thread pool, or the limit note) -> append the answers that are due -> admit queued rows
+  into free slots -> one exchange between processes -> one refill call -> narrow -> decode.
+- **refill**: a boundary's one device call: it appends result blocks, ends rows and admits rows,
+  copied from a cache of the step's prompts (each prefilled once at the start, however its group's
+  rows are admitted).
+- **due step**: the decode step at which a search's answers are appended: `chunk_steps` after its
+  query was sent, or sooner when no slot has anything to decode. The host waits for them if they are
+  not back by then. The retriever runs beside those steps, and the schedule (every call's shapes, so
+  their float rounding) is a function of the rows alone: a step replays bit for bit whatever the
+  retriever's latency.
+- **narrowing** (`narrow=True`): once the queue is empty, the decode batch halves while the rows that
+  hold slots fit in half of it (they move to the first slots, their cache lines with them), so a
+  step's tail decodes its last rows, not its empty slots. The widths follow the schedule, so a narrowed
+  step replays bit for bit too; its tail's rows decode at other widths than the rest and round
+  differently, so it is off by default (see `sem_jax.settings`).
+- **lockstep** (`lockstep=True`): the same engine with barriers. Decoding runs until no row is active,
+  the paused rows' queries go to the retriever together and are waited for, and rows are admitted
+  only when every slot is free (with slots = rows: one static batch, as a lockstep sampler runs it).
 
 Sampled ids are kept as sampled (token-in, token-out); inserted ids are the tokenization of the
-inserted blocks and get loss mask 0. A row's random draws are keyed by (key, row, position)
-(`sampler.row_keys`), so its tokens do not depend on its slot, its neighbours or the setting.
+inserted blocks and get loss mask 0.
 """
 
 from __future__ import annotations
@@ -34,6 +48,7 @@ import concurrent.futures
 import dataclasses
 import time
 from collections.abc import Sequence
+from typing import Any
 
 import jax
 import numpy as np
@@ -125,16 +140,6 @@ class RolloutStats:
                 "cut_blocks": self.cut_blocks}
 
 
-@dataclasses.dataclass
-class _Row:
-    """A row's host-side record while it is rolled out."""
-    searches: int = 0
-    refused: bool = False
-    ended_by_limit: bool = False
-    queries: list[str] = dataclasses.field(default_factory=list)
-    admitted: float = 0.0
-
-
 class RetrieverError(RuntimeError):
     """The retriever answered wrongly (not one result list per query) or not in time."""
 
@@ -155,174 +160,330 @@ def _answer(retriever, protocol: Protocol, tokenizer, texts: list[str], cfg: Rol
     return qs, blocks, cut, time.perf_counter() - t0
 
 
+class Engine:
+    """The rollout engine (see the module docstring): a sampler, the retriever that answers its rows'
+    searches and the protocol that reads their queries and writes the inserted blocks."""
+
+    def __init__(self, sampler: Sampler, tokenizer, retriever, cfg: RolloutConfig, protocol: Protocol = SEM):
+        self.sampler, self.tokenizer, self.retriever = sampler, tokenizer, retriever
+        self.cfg, self.protocol = cfg, protocol
+        self.note_ids = tokenizer.encode(protocol.limit_note, add_special_tokens=False)[:cfg.max_note_tokens]
+
+    def set_weights(self, params: Any) -> None:
+        """Sample from `params` (the policy's whole weights) from the next `run` on."""
+        self.sampler.set_params(params)
+
+    def release(self) -> None:
+        """Drop the sampler's copy of the weights, so that the update's peak holds none;
+        `set_weights` before the next `run`."""
+        self.sampler.release()
+
+    def run(self, prompts: Sequence[Sequence[int]], key: jax.Array,
+            script: np.ndarray | None = None) -> tuple[list[Trajectory], RolloutStats]:
+        """G trajectories per prompt (row = prompt * G + g), with searches answered by the
+        retriever. `script` [rows, S]: tokens forced at each row's sampled positions (-1: sampled;
+        `sampler.decode_step`), for scripted workloads; indexed by the row's id over every process
+        (process p's rows follow those of processes < p).
+
+        On a multi-process run each process passes its own prompts and gets its own trajectories;
+        prompts are padded (padding rows) to the same count everywhere and to a multiple of the
+        process's batch shards; each boundary is agreed between processes in one exchange."""
+        if not prompts:
+            raise ValueError("rollout needs at least one prompt (on every process)")
+        return _Step(self, prompts, key, script).run()
+
+
 def rollout(sampler: Sampler, tokenizer, retriever, prompts: Sequence[Sequence[int]], key: jax.Array,
             cfg: RolloutConfig, protocol: Protocol = SEM,
             script: np.ndarray | None = None) -> tuple[list[Trajectory], RolloutStats]:
-    """G trajectories per prompt (row = prompt * G + g), with searches answered by `retriever`;
-    `protocol` reads the queries and writes the inserted blocks. `script` [rows, S]: tokens forced
-    at each row's sampled positions (-1: sampled; `sampler.decode_step`), for scripted workloads;
-    indexed by the row's id over every process (process p's rows follow those of processes < p).
+    """One `Engine.run` (the sampler's current weights)."""
+    return Engine(sampler, tokenizer, retriever, cfg, protocol).run(prompts, key, script)
 
-    On a multi-process run each process passes its own prompts and gets its own trajectories;
-    prompts are padded (with repeats, rolled out and dropped) to the same count everywhere and
-    to a multiple of the process's batch shards; boundaries are agreed between processes."""
-    if not prompts:
-        raise ValueError("rollout needs at least one prompt (on every process)")
-    t_start = time.perf_counter()
-    stats = RolloutStats()
-    g = cfg.group_size
-    real = len(prompts) * g
-    multiple = sampler.row_multiple()
-    per = hosts.agree_max(len(prompts))
-    while (per * g) % multiple:
-        per += 1
-    padded = list(prompts) + [prompts[-1]] * (per - len(prompts))
-    n_rows = per * g
-    slots = min(hosts.agree_max(-(-(cfg.slots or n_rows) // multiple) * multiple), n_rows)
-    offset = jax.process_index() * n_rows  # this process's rows in the global row ids
-    forced = None if script is None else sampler.replicated(np.asarray(script, np.int32))
-    rows = [_Row() for _ in range(n_rows)]
-    out: dict[int, Trajectory] = {}
-    slot_row = np.full(slots, -1)
-    room = sampler.config.response_tokens  # sampled and inserted
-    note_ids = tokenizer.encode(protocol.limit_note, add_special_tokens=False)[:cfg.max_note_tokens]
-    if slots == n_rows:  # every row in a slot from the start: each prompt prefilled once for its group
-        state = sampler.start(padded, g, key)
-        slot_row[:] = np.arange(n_rows)
-        queue: collections.deque[int] = collections.deque()
-        prompt_kv = None
-    else:  # padding rows are never admitted: rows past `real` just end
-        prompt_width = hosts.agree_max(bucket_length(max(len(p) for p in prompts)))
-        state = sampler.empty(slots, prompt_width, key)
-        prompt_kv = sampler.prefill_prompts(padded, prompt_width)
-        queue = collections.deque(range(real))
-    stats.prefills = len(prompts)
-    now = time.perf_counter()
-    for r in slot_row[slot_row >= 0]:
-        rows[r].admitted = now
-    pending: list[tuple[concurrent.futures.Future, list[int], int]] = []  # (job, the rows it answers, its step)
-    asked = np.zeros(slots, bool)  # the slot's paused row has been answered or asked for
-    first_fill = slots < n_rows
-    narrow = cfg.narrow and not cfg.lockstep and sampler.can_narrow()
-    hung = False
-    pool = concurrent.futures.ThreadPoolExecutor(max(1, cfg.retrieval_threads), thread_name_prefix="retrieval")
-    try:
-        while True:
-            # The host's side of a boundary: what ended, what paused, what is ready.
-            paused, done, lens = sampler.flags(state)
-            width = len(slot_row)  # the decode batch: `slots`, or fewer once narrowed
-            blocks: list[list[int]] = [[] for _ in range(width)]
-            end, resume = np.zeros(width, bool), np.zeros(width, bool)
-            finished = [s for s in range(width) if slot_row[s] >= 0 and done[s]]
-            # (A row the host ended while it was paused stays paused: it is collected, not served.)
-            new_pauses = np.flatnonzero(paused & ~done & ~asked & (slot_row >= 0))
-            resp = sampler.local(state.resp) if finished or len(new_pauses) else None  # one transfer a boundary
-            if finished:
-                _collect(sampler, state, resp, lens, tokenizer, finished, slot_row, rows, prompts, g, real, out, stats)
-                slot_row[finished] = -1
-            ask = []
-            for s in new_pauses:
-                row, asked[s] = slot_row[s], True
-                if row >= real:  # a padding row: end it, no retrieval
-                    end[s] = True
-                elif rows[row].searches < cfg.max_searches:
-                    ask.append(s)
-                elif not rows[row].refused:
-                    blocks[s], rows[row].refused, resume[s] = list(note_ids), True, True
-                else:  # asked again after the note: stop the row
-                    end[s] = rows[row].ended_by_limit = True
-            if ask:  # this process's rows only: every host searches for its own
-                texts = [response_text(tokenizer, resp[s, :lens[s]]) for s in ask]
-                pending.append((pool.submit(_answer, retriever, protocol, tokenizer, texts, cfg),
-                                [int(slot_row[s]) for s in ask], stats.decode_steps + cfg.chunk_steps))
-                stats.retriever_calls += 1
-            idle = not (~paused & ~done).any() and not resume.any() and not (queue and (slot_row < 0).any())
-            # An answer is appended at the decode step fixed when its query was sent, chunk_steps
-            # later (the host waits for it if it is not back by then), or sooner when nothing else
-            # can decode; lockstep appends every answer at its barrier. So the schedule, and with
-            # it every call's shapes (and their float rounding), depends on the rows alone, never
-            # on the retriever's latency: a step replays bit for bit.
-            clock = stats.decode_steps
-            if pending and idle and not cfg.lockstep:
-                clock = max(clock, min(step for *_, step in pending))
-            due = [job for job in pending if cfg.lockstep or job[2] <= clock]
-            if not all(f.done() for f, *_ in due):
-                t0 = time.perf_counter()
-                _, late = concurrent.futures.wait([f for f, *_ in due], timeout=cfg.retrieval_timeout_s)
-                if late:
-                    hung = True
-                    raise RetrieverError(f"{type(retriever).__name__}.search: {len(late)} call(s) not back "
-                                         f"{cfg.retrieval_timeout_s:g} s after their answer was due "
-                                         "(rollout.retrieval_timeout_s)")
-                stats.retrieval_wait_s += time.perf_counter() - t0
-            for job in due:
-                pending.remove(job)
-                (qs, got, cut, seconds), asked_rows = job[0].result(), job[1]
-                stats.retrieval_s += seconds
-                stats.cut_blocks += cut
-                slot_of = {int(r): s for s, r in enumerate(slot_row) if r >= 0}
-                for r, q, blk in zip(asked_rows, qs, got):
-                    s, row = slot_of[r], rows[r]
-                    row.searches += 1
-                    row.queries.append(q)
-                    blocks[s], resume[s] = blk, True
-            for s in range(width):  # the buffer holds every search's block when max_inserted_tokens is sized so
-                blocks[s] = blocks[s][:max(0, room - int(lens[s]))]
-            free = np.flatnonzero(slot_row < 0)
-            admit = []
-            if queue and len(free) and (not cfg.lockstep or len(free) == width):
-                for s in free[:len(queue)]:
-                    row = queue.popleft()
-                    admit.append((int(s), row // g, offset + row))
-                    slot_row[s] = row
-                    asked[s] = False
-                stats.admissions += 0 if first_fill else len(admit)
-                first_fill = False
-            asked[resume] = False
-            # One exchange a boundary (processes' device calls must match): whether any has device
-            # work, rows left, a use for freed slots (rows wait for one, or the batch may narrow),
-            # and the earliest step at which answers are due (it ends the next decode call).
-            work, live, refilling, negated = hosts.agree_max_each(
-                bool(admit) or end.any() or resume.any(), bool(queue) or bool(pending) or (slot_row >= 0).any(),
-                bool(queue) or narrow, -min([step for *_, step in pending], default=_NEVER))
-            if work:
-                t0 = time.perf_counter()
-                state = sampler.refill(state, blocks, end, resume, admit, prompt_kv)
-                jax.block_until_ready(state.resp_len)  # time the appends, not their dispatch
-                stats.insert_s += time.perf_counter() - t0
-                stats.refills += 1
-                stats.inserts += int(sum(1 for b in blocks if b))
-                now = time.perf_counter()
-                for _, _, row in admit:
-                    rows[row - offset].admitted = now
-            if not live:
-                break
-            next_due = -negated  # the earliest step at which any process's answers are due
-            if narrow and not queue:
-                keep = _narrower(slot_row)
-                if keep is not None:
-                    state = sampler.narrow(state, keep)
-                    slot_row, asked = slot_row[keep], asked[keep]
-                    stats.narrowed += 1
-            t0 = time.perf_counter()
-            # Continuous: back to the host as soon as a row pauses (a query to send) or, while a
-            # freed slot would be used, ends (a boundary costs less than a slot left idle), and at
-            # the next answers' step. Otherwise, as lockstep, to the end.
-            state, steps, busy = sampler.decode_counted(
-                state, None if cfg.lockstep or next_due == _NEVER else next_due - stats.decode_steps, forced,
-                release=0 if cfg.lockstep else 1, ends=refilling)
-            stats.decode_s += time.perf_counter() - t0
-            stats.decode_steps += steps
-            stats.slot_steps += steps * len(slot_row) * jax.process_count()
-            stats.active_slot_steps += busy
-            stats.boundaries += 1
-    finally:
-        pool.shutdown(wait=not hung, cancel_futures=True)  # a hung call's thread is left behind, not waited on
-    stats.rollout_s = time.perf_counter() - t_start
-    return [out[r] for r in range(real)], stats
+
+@dataclasses.dataclass
+class _Row:
+    """A row's host-side record while it is rolled out."""
+    searches: int = 0
+    refused: bool = False
+    ended_by_limit: bool = False
+    queries: list[str] = dataclasses.field(default_factory=list)
+    admitted: float = 0.0
+
+
+@dataclasses.dataclass
+class _Slots:
+    """The slot table (this process's slots): the row each holds (-1: free) and whether that row's
+    pause has been served (answered, asked for, or ended). `take` reorders every field at once."""
+    row: np.ndarray
+    asked: np.ndarray
+
+    @classmethod
+    def empty(cls, n: int) -> _Slots:
+        return cls(np.full(n, -1), np.zeros(n, bool))
+
+    @property
+    def width(self) -> int:
+        return len(self.row)
+
+    def held(self) -> np.ndarray:
+        return self.row >= 0
+
+    def free(self) -> np.ndarray:
+        return np.flatnonzero(self.row < 0)
+
+    def slot_of(self) -> dict[int, int]:
+        return {int(r): s for s, r in enumerate(self.row) if r >= 0}
+
+    def take(self, keep: np.ndarray) -> _Slots:
+        return _Slots(*(getattr(self, f.name)[keep] for f in dataclasses.fields(self)))
+
+
+@dataclasses.dataclass
+class _Search:
+    """A retriever call in flight: the rows it answers and the decode step its answers are due."""
+    future: concurrent.futures.Future
+    rows: list[int]
+    due: int
+
+
+@dataclasses.dataclass
+class _Refill:
+    """What a boundary hands the device in its one refill call, per slot."""
+    blocks: list[list[int]]
+    end: np.ndarray
+    resume: np.ndarray
+    admit: list[tuple[int, int, int]]  # (slot, prompt index, global row id)
+
+    @classmethod
+    def nothing(cls, width: int) -> _Refill:
+        return cls([[] for _ in range(width)], np.zeros(width, bool), np.zeros(width, bool), [])
+
+    @property
+    def work(self) -> bool:
+        return bool(self.admit) or bool(self.end.any()) or bool(self.resume.any())
 
 
 _NEVER = 1 << 30  # no answer pending
+
+
+class _Step:
+    """One `Engine.run`: the step's rows, its slot table, the queue of rows waiting for a slot and
+    the searches in flight; `run` goes from boundary to boundary until no process has rows left."""
+
+    def __init__(self, engine: Engine, prompts: Sequence[Sequence[int]], key: jax.Array, script):
+        self.t_start = time.perf_counter()
+        self.engine, self.cfg, self.sampler = engine, engine.cfg, engine.sampler
+        self.stats = RolloutStats()
+        self.prompts, self.g = prompts, self.cfg.group_size
+        self.real = len(prompts) * self.g  # rows past this are padding rows
+        multiple = self.sampler.row_multiple()
+        per = hosts.agree_max(len(prompts))
+        while (per * self.g) % multiple:
+            per += 1
+        padded = list(prompts) + [prompts[-1]] * (per - len(prompts))
+        n_rows = per * self.g
+        width = min(hosts.agree_max(-(-(self.cfg.slots or n_rows) // multiple) * multiple), n_rows)
+        self.offset = jax.process_index() * n_rows  # this process's rows in the global row ids
+        self.forced = None if script is None else self.sampler.replicated(np.asarray(script, np.int32))
+        self.rows = [_Row() for _ in range(n_rows)]
+        self.out: dict[int, Trajectory] = {}
+        self.slots = _Slots.empty(width)
+        self.queue: collections.deque[int] = collections.deque()
+        self.prompt_kv = None
+        if width == n_rows:  # every row in a slot from the start: each prompt prefilled once for its group
+            self.state = self.sampler.start(padded, self.g, key)
+            self.slots.row[:] = np.arange(n_rows)
+        else:  # padding rows are never admitted: rows past `real` just end
+            prompt_width = hosts.agree_max(bucket_length(max(len(p) for p in prompts)))
+            self.state = self.sampler.empty(width, prompt_width, key)
+            self.prompt_kv = self.sampler.prefill_prompts(padded, prompt_width)
+            self.queue.extend(range(self.real))
+        self.stats.prefills = len(prompts)
+        now = time.perf_counter()
+        for r in self.slots.row[self.slots.held()]:
+            self.rows[r].admitted = now
+        self.searches: list[_Search] = []
+        self.first_fill = width < n_rows
+        self.narrowing = self.cfg.narrow and not self.cfg.lockstep and self.sampler.can_narrow()
+        self.hung = False
+
+    def run(self) -> tuple[list[Trajectory], RolloutStats]:
+        pool = concurrent.futures.ThreadPoolExecutor(max(1, self.cfg.retrieval_threads),
+                                                     thread_name_prefix="retrieval")
+        try:
+            while self._boundary(pool):
+                pass
+        finally:
+            pool.shutdown(wait=not self.hung, cancel_futures=True)  # a hung call's thread is left behind
+        self.stats.rollout_s = time.perf_counter() - self.t_start
+        return [self.out[r] for r in range(self.real)], self.stats
+
+    def _boundary(self, pool: concurrent.futures.Executor) -> bool:
+        """One boundary, in the glossary's order; False once no process has rows left."""
+        paused, done, lens = self.sampler.flags(self.state)
+        refill = _Refill.nothing(self.slots.width)
+        finished = np.flatnonzero(self.slots.held() & done)
+        # (A row the host ended while it was paused stays paused: it is collected, not served.)
+        pauses = np.flatnonzero(paused & ~done & ~self.slots.asked & self.slots.held())
+        resp = self.sampler.local(self.state.resp) if len(finished) or len(pauses) else None  # one transfer
+        if len(finished):
+            self._collect(finished, resp, lens)
+        self._serve(pauses, resp, lens, refill, pool)
+        idle = not (~paused & ~done).any() and not refill.resume.any() and not (self.queue and len(self.slots.free()))
+        self._append_due(refill, idle)
+        room = self.sampler.config.response_tokens  # sampled and inserted
+        for s in range(self.slots.width):  # the buffer holds every search's block when max_inserted_tokens is sized so
+            refill.blocks[s] = refill.blocks[s][:max(0, room - int(lens[s]))]
+        self._admit(refill)
+        self.slots.asked[refill.resume] = False
+        work, live, refilling, next_due, sizes = self._exchange(refill)
+        if work:
+            self._refill(refill, sizes)
+        if not live:
+            return False
+        if self.narrowing and not self.queue:
+            self._narrow()
+        self._decode(next_due, refilling)
+        return True
+
+    def _collect(self, finished: np.ndarray, resp: np.ndarray, lens: np.ndarray) -> None:
+        """The trajectories of the rows that ended in `finished` slots (padding rows dropped); their
+        slots free up. `resp` and `lens`: this process's slots' responses and lengths, already read."""
+        sampler, stats = self.sampler, self.stats
+        lp, sampled, eos = (sampler.local(x) for x in (self.state.resp_logprob, self.state.resp_sampled, self.state.eos))
+        resid = None if self.state.cache.resid is None else sampler.local(self.state.cache.resid)
+        now = time.perf_counter()
+        for s in finished:
+            row = int(self.slots.row[s])
+            if row >= self.real:
+                continue
+            n, prompt = int(lens[s]), self.prompts[row // self.g]
+            ids = resp[s, :n].astype(np.int32)
+            rec = self.rows[row]
+            mask = sampled[s, :n].astype(np.int8)
+            t = self.out[row] = Trajectory(
+                prompt_index=row // self.g, prompt_ids=list(prompt), response_ids=ids, loss_mask=mask,
+                logprobs=lp[s, :n].astype(np.float32), num_searches=rec.searches, queries=rec.queries,
+                text=response_text(self.engine.tokenizer, ids),
+                end_reason="search_limit" if rec.ended_by_limit else "eos" if eos[s] else "length",
+                seconds=now - rec.admitted, resid=None if resid is None else resid[s, :len(prompt) + n - 1].copy())
+            if t.num_searches:
+                stats.searched_tokens += int(mask.sum())
+                stats.searched_s += t.seconds
+            else:
+                stats.direct_tokens += int(mask.sum())
+                stats.direct_s += t.seconds
+        self.slots.row[finished] = -1
+
+    def _serve(self, pauses: np.ndarray, resp: np.ndarray | None, lens: np.ndarray, refill: _Refill,
+               pool: concurrent.futures.Executor) -> None:
+        """New pauses: a search for rows under their limit (one retriever call for them all), the
+        limit note once, then the row's end; a padding row ends."""
+        e, ask = self.engine, []
+        for s in pauses:
+            row, self.slots.asked[s] = self.slots.row[s], True
+            rec = self.rows[row]
+            if row >= self.real:
+                refill.end[s] = True
+            elif rec.searches < self.cfg.max_searches:
+                ask.append(s)
+            elif not rec.refused:
+                refill.blocks[s], rec.refused, refill.resume[s] = list(e.note_ids), True, True
+            else:  # asked again after the note: stop the row
+                refill.end[s] = rec.ended_by_limit = True
+        if ask:  # this process's rows only: every host searches for its own
+            texts = [response_text(e.tokenizer, resp[s, :lens[s]]) for s in ask]
+            future = pool.submit(_answer, e.retriever, e.protocol, e.tokenizer, texts, self.cfg)
+            self.searches.append(_Search(future, [int(self.slots.row[s]) for s in ask],
+                                         self.stats.decode_steps + self.cfg.chunk_steps))
+            self.stats.retriever_calls += 1
+
+    def _append_due(self, refill: _Refill, idle: bool) -> None:
+        """The blocks of the searches that are due (waited for if not back): at their due step, or
+        the earliest one's when nothing else can decode (`idle`); lockstep takes every search."""
+        lockstep = self.cfg.lockstep
+        clock = self.stats.decode_steps
+        if self.searches and idle and not lockstep:
+            clock = max(clock, min(job.due for job in self.searches))
+        due = [job for job in self.searches if lockstep or job.due <= clock]
+        if not all(job.future.done() for job in due):
+            t0 = time.perf_counter()
+            _, late = concurrent.futures.wait([job.future for job in due], timeout=self.cfg.retrieval_timeout_s)
+            if late:
+                self.hung = True
+                raise RetrieverError(f"{type(self.engine.retriever).__name__}.search: {len(late)} call(s) not back "
+                                     f"{self.cfg.retrieval_timeout_s:g} s after their answer was due "
+                                     "(rollout.retrieval_timeout_s)")
+            self.stats.retrieval_wait_s += time.perf_counter() - t0
+        slot_of = self.slots.slot_of()
+        for job in due:
+            self.searches.remove(job)
+            qs, got, cut, seconds = job.future.result()
+            self.stats.retrieval_s += seconds
+            self.stats.cut_blocks += cut
+            for r, q, blk in zip(job.rows, qs, got):
+                s, rec = slot_of[r], self.rows[r]
+                rec.searches += 1
+                rec.queries.append(q)
+                refill.blocks[s], refill.resume[s] = blk, True
+
+    def _admit(self, refill: _Refill) -> None:
+        """Queued rows into the free slots (lockstep: only when every slot is free)."""
+        free = self.slots.free()
+        if not (self.queue and len(free) and (not self.cfg.lockstep or len(free) == self.slots.width)):
+            return
+        for s in free[:len(self.queue)]:
+            row = self.queue.popleft()
+            refill.admit.append((int(s), row // self.g, self.offset + row))
+            self.slots.row[s], self.slots.asked[s] = row, False
+        self.stats.admissions += 0 if self.first_fill else len(refill.admit)
+        self.first_fill = False
+
+    def _exchange(self, refill: _Refill) -> tuple[bool, bool, bool, int, tuple[int, ...]]:
+        """The boundary's one exchange between processes (their device calls must match): whether
+        any has device work, rows left, a use for freed slots (rows wait for one, or the batch may
+        narrow), the earliest step at which answers are due (it ends the next decode call), and
+        the refill call's shapes."""
+        work, live, refilling, negated, *sizes = hosts.agree_max_each(
+            refill.work, bool(self.queue) or bool(self.searches) or bool(self.slots.held().any()),
+            bool(self.queue) or self.narrowing, -min([job.due for job in self.searches], default=_NEVER),
+            *self.sampler.refill_sizes(refill.blocks, refill.admit))
+        return bool(work), bool(live), bool(refilling), -negated, tuple(sizes)
+
+    def _refill(self, refill: _Refill, sizes: tuple[int, ...]) -> None:
+        t0 = time.perf_counter()
+        self.state = self.sampler.refill(self.state, refill.blocks, refill.end, refill.resume, refill.admit,
+                                         self.prompt_kv, sizes=sizes)
+        jax.block_until_ready(self.state.resp_len)  # time the appends, not their dispatch
+        stats = self.stats
+        stats.insert_s += time.perf_counter() - t0
+        stats.refills += 1
+        stats.inserts += sum(1 for b in refill.blocks if b)
+        now = time.perf_counter()
+        for _, _, row in refill.admit:
+            self.rows[row - self.offset].admitted = now
+
+    def _narrow(self) -> None:
+        keep = _narrower(self.slots.row)
+        if keep is not None:
+            self.state = self.sampler.narrow(self.state, keep)
+            self.slots = self.slots.take(keep)
+            self.stats.narrowed += 1
+
+    def _decode(self, next_due: int, refilling: bool) -> None:
+        """Continuous: back to the host as soon as a row pauses (a query to send) or, while a freed
+        slot would be used, ends (a boundary costs less than a slot left idle), and at the next
+        answers' due step. Lockstep: until no row is active."""
+        lockstep, stats = self.cfg.lockstep, self.stats
+        t0 = time.perf_counter()
+        self.state, steps, busy = self.sampler.decode_counted(
+            self.state, None if lockstep or next_due == _NEVER else next_due - stats.decode_steps, self.forced,
+            release=0 if lockstep else 1, ends=refilling)
+        stats.decode_s += time.perf_counter() - t0
+        stats.decode_steps += steps
+        stats.slot_steps += steps * self.slots.width * jax.process_count()
+        stats.active_slot_steps += busy
+        stats.boundaries += 1
 
 
 def _narrower(slot_row: np.ndarray) -> np.ndarray | None:
@@ -337,34 +498,3 @@ def _narrower(slot_row: np.ndarray) -> np.ndarray | None:
         return None
     free = np.flatnonzero(slot_row < 0)
     return np.concatenate([held, free[:width - len(held)]])
-
-
-def _collect(sampler: Sampler, state, resp: np.ndarray, lens: np.ndarray, tokenizer, finished: list[int],
-             slot_row: np.ndarray, rows: list[_Row], prompts: Sequence[Sequence[int]], g: int, real: int,
-             out: dict[int, Trajectory], stats: RolloutStats) -> None:
-    """The trajectories of the rows that ended in `finished` slots (padding rows dropped); `resp`
-    and `lens`: this process's slots' responses and lengths, already read."""
-    lp, sampled, eos = (sampler.local(x) for x in (state.resp_logprob, state.resp_sampled, state.eos))
-    resid = None if state.cache.resid is None else sampler.local(state.cache.resid)
-    now = time.perf_counter()
-    for s in finished:
-        row = int(slot_row[s])
-        if row >= real:
-            continue
-        n = int(lens[s])
-        ids = resp[s, :n].astype(np.int32)
-        rec = rows[row]
-        reason = "search_limit" if rec.ended_by_limit else "eos" if eos[s] else "length"
-        mask = sampled[s, :n].astype(np.int8)
-        t = out[row] = Trajectory(
-            prompt_index=row // g, prompt_ids=list(prompts[row // g]), response_ids=ids, loss_mask=mask,
-            logprobs=lp[s, :n].astype(np.float32), num_searches=rec.searches, queries=rec.queries,
-            text=response_text(tokenizer, ids), end_reason=reason,
-            seconds=now - rec.admitted,
-            resid=None if resid is None else resid[s, :len(prompts[row // g]) + n - 1].copy())
-        if t.num_searches:
-            stats.searched_tokens += int(mask.sum())
-            stats.searched_s += t.seconds
-        else:
-            stats.direct_tokens += int(mask.sum())
-            stats.direct_s += t.seconds

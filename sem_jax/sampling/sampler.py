@@ -776,21 +776,21 @@ class Sampler:
 
     def refill(self, state: SamplerState, blocks: Sequence[Sequence[int]], end_rows: Sequence[bool] | None = None,
                resume: Sequence[bool] | None = None,
-               admit: Sequence[tuple[int, int, int]] = (), prompts: tuple[KVCache, jax.Array] | None = None
-               ) -> SamplerState:
+               admit: Sequence[tuple[int, int, int]] = (), prompts: tuple[KVCache, jax.Array] | None = None,
+               sizes: Sequence[int] | None = None) -> SamplerState:
         """One host boundary's device work, in one call: append `blocks[b]` (may be empty) to slot
         b, resume the slots in `resume` (default: all), end the slots in `end_rows`, and admit
         rows: (slot, prompt index in `prompts`, row id) each, `prompts` being `prefill_prompts`'s
         cache (copied into the slots; no prefill here). This process's slots; every process calls
-        it (with nothing to do, if so). Donates `state`."""
+        it (with nothing to do, if so). `sizes`: `refill_sizes` already agreed between processes (the
+        engine's boundary exchange); None agrees them here. Donates `state`."""
         b = len(blocks)
         end = np.zeros(b, bool) if end_rows is None else np.asarray(end_rows, bool)
         longest = int(np.asarray(progress(state))[2]) if self.window_steps else 0  # no sync without windows
         window = self._window(state, longest)
         some = [i for i, blk in enumerate(blocks) if len(blk)]
-        k = hosts.agree_max(-(-bucket_length(max(len(some), 1), minimum=1) // self.row_multiple()) * self.row_multiple())
+        k, width, admitting = sizes or hosts.agree_max_each(*self.refill_sizes(blocks, admit))
         rows = list(range(b)) if k >= b else some + [None] * (k - len(some))  # None: padding
-        width = hosts.agree_max(bucket_length(max([len(blocks[i]) for i in some] + [1]), minimum=8))
         ids = np.zeros((len(rows), width), np.int32)
         n = np.zeros(len(rows), np.int32)
         for j, i in enumerate(rows):
@@ -799,7 +799,6 @@ class Sampler:
                 n[j] = len(blocks[i])
         self.calls.record(f"insert@{window}", ids)
         resume = None if resume is None else self._rows(np.asarray(resume, bool))
-        admitting = hosts.agree_max(len(admit))
         if k >= b and not admitting:  # every slot: the batch insert (what aot compiles)
             with self._on_mesh():
                 return insert_step(self.graphdef, self.params, self.layers, state, self._rows(ids), self._rows(n),
@@ -817,6 +816,14 @@ class Sampler:
         with self._on_mesh():
             return refill_step(self.graphdef, self.params, self.layers, state, sel, self._rows(ids), self._rows(n),
                                self._rows(end), resume, arrays, window=window, chunk=self.insert_chunk)
+
+    def refill_sizes(self, blocks: Sequence[Sequence[int]], admit: Sequence[tuple[int, int, int]]
+                     ) -> tuple[int, int, int]:
+        """This process's shapes for `refill`: the slots appended to (bucketed), the blocks' width
+        and the admissions. Every process must call `refill` with their largest over all processes."""
+        lengths = [len(blk) for blk in blocks if len(blk)]
+        k = -(-bucket_length(max(len(lengths), 1), minimum=1) // self.row_multiple()) * self.row_multiple()
+        return k, bucket_length(max(lengths + [1]), minimum=8), len(admit)
 
     def _admissions(self, b: int, admit: Sequence[tuple[int, int, int]], per: int) -> tuple[np.ndarray, np.ndarray]:
         """`refill`'s admissions as arrays: each slot's prompt (its global index in the prompt

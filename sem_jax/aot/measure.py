@@ -2,7 +2,7 @@
 
     python -m sem_jax.aot --config configs/gpu.py --roofline --measure [--chip H200] [--json FILE]
 
-`sem_jax.roofline.analyse` names, for each call it counts, the program a step runs (loops rolled)
+`sem_jax.aot.roofline.analyse` names, for each call it counts, the program a step runs (loops rolled)
 and its abstract arguments (`Program`). Here every argument gets a value on the devices it is
 placed on (the weights random, token ids random, lengths full: shapes are static, so the work
 done does not depend on the values), each program runs once to compile, then `repeats` times,
@@ -25,8 +25,8 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
-from sem_jax.programs import Filled, Program
-from sem_jax.roofline import Call, step_seconds
+from sem_jax.aot.programs import Filled, Program
+from sem_jax.aot.roofline import Call, step_seconds
 
 
 def _leaf_value(leaf, key, vocab: int):

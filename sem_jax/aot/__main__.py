@@ -6,14 +6,16 @@
 With `jax[tpu]` installed on a CPU host (no TPU needed), builds the topology's devices,
 the config's mesh and shardings, and compiles the GRPO update, the reference log-prob pass
 and the sampler's prefill, decode and insert (on the sampler's own mesh, `rollout.tensor`) with
-abstract inputs at the config's real shapes, and the sampler again as `sem_jax.evaluate` runs it
-(greedy, one row per question, the parameters in `model.eval_dtype`).
+abstract inputs at the config's real shapes, with `rollout.slots` the continuous engine's own
+programs (prompt cache, empty slots, decode loop at the slots' width, refill with admissions,
+narrowing), and the sampler again as `sem_jax.evaluate` runs it (greedy, one row per question, the
+parameters in `model.eval_dtype`).
 Prints per-device memory (arguments, outputs, temporaries, and beside the training rollout the
 trainer's parameters, optimizer state and reference weights: `resident`) against HBM and FLOPs per call
 (XLA counts every loop body once, the layer scan too: they only compare configs); exits 1
 when something does not fit, including when the TPU compiler itself refuses for lack of HBM.
 Without --topology it compiles for the local devices. `--roofline` prints XLA's FLOPs and bytes
-per call against the ideal and predicted times per chip instead (`sem_jax.roofline`).
+per call against the ideal and predicted times per chip instead (`sem_jax.aot.roofline`).
 """
 
 from __future__ import annotations
@@ -28,16 +30,18 @@ from absl import app, flags
 from absl import logging as absl_logging
 from ml_collections import config_flags
 
-from sem_jax import measure, roofline
-from sem_jax.assemble import abstract_model, build, inserted_tokens, model_config
+from sem_jax.aot import measure, roofline
+from sem_jax.assemble import abstract_model, build_compile, inserted_tokens, model_config
 from sem_jax.config import parse_flags
 from sem_jax.model import Qwen2Config
 from sem_jax.model import lora as lora_lib
-from sem_jax.programs import (cost, hbm_per_device, narrower, placed, rows_on, sampler_layers, target_devices,
-                              trainer_bytes)
+from sem_jax.aot.programs import (cost, device_bytes, hbm_per_device, narrower, placed, rows_on, sampler_layers,
+                                  target_devices, trainer_bytes)
 from sem_jax.rl.batch import widest_batch
 from sem_jax.rl.trainer import LOGPROB_KEYS
-from sem_jax.sampling.sampler import bucket_length, decode_loop, insert_step, prefill_step
+from sem_jax.hosts import batch_shards, local_batch_multiple
+from sem_jax.sampling.sampler import (bucket_length, decode_loop, empty_state, insert_step, prefill_step, prompt_cache,
+                                      refill_step, take_slots)
 from sem_jax.sampling.stop import trie_states
 from sem_jax.settings import Config, load
 from sem_jax.sharding import match_param_shardings
@@ -79,7 +83,7 @@ def check(config: Config, topology: str | None = None, hbm_gib: float | None = N
     """Compile every step function for the target; returns the rows and HBM bytes per device."""
     devices = target_devices(topology)
     hbm = hbm_per_device(devices, hbm_gib)
-    run = build(config, "compile", devices=devices)
+    run = build_compile(config, devices)
     mesh, rollout_mesh, s, mcfg, params, trainer = (run.mesh, run.rollout_mesh, run.settings, run.model_config,
                                                     run.params, run.trainer)
     dtype, compute = jnp.dtype(config.model.dtype), jnp.dtype(config.model.compute_dtype)
@@ -121,6 +125,9 @@ def check(config: Config, topology: str | None = None, hbm_gib: float | None = N
             rows = sampler_rows(label, sampler_graph, sampler_params, layers, prompts_n, group, config, s, mcfg,
                                 rows_on(rollout_mesh))
             out += [dataclasses.replace(r, resident=resident) for r in rows]
+            if group > 1:  # training's rollout: the continuous engine's own programs, with rollout.slots
+                out += engine_rows(sampler_graph, sampler_params, layers, prompts_n, group, config, s, mcfg,
+                                   rollout_mesh, resident)
     return out, hbm
 
 
@@ -153,6 +160,54 @@ def sampler_rows(label: str, graphdef, params, layers, prompts_n: int, group: in
     return rows
 
 
+def engine_rows(graphdef, params, layers, prompts_n: int, group: int, config: Config, s, mcfg: Qwen2Config,
+                mesh, resident: int) -> list[Row]:
+    """With rollout.slots under the step's rows: the programs the continuous engine runs besides
+    `sampler_rows`' prefill (`sampling/rollout.py`): the prompt cache (held through the rollout,
+    so counted as resident beside the others), the empty slots, the decode loop at the slots'
+    width, a refill that appends to every slot and admits a row into each, and (rollout.narrow,
+    an unsplit batch) the halving of the slots."""
+    rows_n, multiple = prompts_n * group, local_batch_multiple(mesh)
+    if not config.rollout.slots or config.rollout.slots >= rows_n:
+        return []
+    width = -(-config.rollout.slots // multiple) * multiple  # as `Engine.run` rounds it
+    arr = rows_on(mesh)
+    resp = s.sampling.response_tokens
+    compute = jnp.dtype(config.model.compute_dtype)
+    tp = bucket_length(config.data.max_prompt_tokens)
+    per = -(-prompts_n // multiple) * multiple  # `Sampler.prefill_prompts` pads the prompts so
+    prompts, lengths = arr((per, tp), jnp.int32), arr((per,), jnp.int32)
+    label = f"engine, {width} slots"
+    row, cache = _compile(f"{label}: prompt cache", prompt_cache.lower(graphdef, params, layers, prompts, lengths,
+                                                                       cache_dtype=compute))
+    if cache is None:
+        return [row]
+    prompt_kv = placed(jax.eval_shape(lambda *a: prompt_cache(graphdef, *a, cache_dtype=compute), params, layers,
+                                      prompts, lengths), cache.output_shardings)
+    resident += device_bytes(prompt_kv)
+    key = jax.eval_shape(lambda: jax.random.key(0))
+    static = dict(slots=width, cache_len=tp + resp, resp_len=resp, cache_dtype=compute, per_layer=layers is not None)
+    row_e, empty = _compile(f"{label}: empty slots", empty_state.lower(graphdef, params, key, **static))
+    out = [row, row_e]
+    if empty is None:
+        return [dataclasses.replace(r, resident=resident) for r in out]
+    state = placed(jax.eval_shape(lambda *a: empty_state(graphdef, *a, **static), params, key), empty.output_shardings)
+    table = jax.ShapeDtypeStruct((mcfg.vocab_size, trie_states(s.protocol.stop_strings)), jnp.int32)
+    scalar = jax.ShapeDtypeStruct((), jnp.int32)
+    out.append(_compile(f"{label}: decode loop", decode_loop.lower(
+        graphdef, params, layers, state, table, jax.ShapeDtypeStruct((2,), jnp.int32), scalar, None,
+        jax.ShapeDtypeStruct((2,), jnp.int32), cfg=s.sampling, window=tp + resp))[0])
+    wi = bucket_length(inserted_tokens(config)[0], minimum=8)
+    admit = (*prompt_kv, arr((width,), jnp.int32), arr((width,), jnp.int32))
+    out.append(_compile(f"{label}: refill ({wi} tokens, admissions)", refill_step.lower(
+        graphdef, params, layers, state, None, arr((width, wi), jnp.int32), arr((width,), jnp.int32),
+        arr((width,), jnp.bool_), arr((width,), jnp.bool_), admit, window=tp + resp))[0])
+    if config.rollout.narrow and batch_shards(mesh) == 1 and width > 1:  # `Sampler.can_narrow` (one process)
+        half = jax.ShapeDtypeStruct((width // 2,), jnp.int32, sharding=NamedSharding(mesh, PartitionSpec()))
+        out.append(_compile(f"{label}: narrowed to {width // 2}", take_slots.lower(state, half))[0])
+    return [dataclasses.replace(r, resident=resident) for r in out]
+
+
 def report(rows: list[Row], hbm: float, label: str) -> bool:
     gib = lambda b: b / 2**30
     print(f"{label}: per-device memory (GiB) against {gib(hbm):.1f} GiB HBM")
@@ -178,13 +233,13 @@ def define_flags():
     flags.DEFINE_string("topology", None, "TPU topology, e.g. v4:2x2x4 (needs jax[tpu]); default: local devices")
     flags.DEFINE_float("hbm_gib", None, "HBM per device in GiB (default: from the device kind)")
     flags.DEFINE_bool("roofline", False, "Instead of the fit check: XLA's FLOPs and bytes per call against the "
-                      "ideal, and predicted times per chip (sem_jax.roofline)")
+                      "ideal, and predicted times per chip (sem_jax.aot.roofline)")
     flags.DEFINE_string("json", None, "With --roofline: also write its figures to this JSON file")
     flags.DEFINE_float("occupancy", 0.0, "With --roofline: the rollout engine's measured slot occupancy "
                        "(scripts/bench_rollout.py); the rollout predicted at it, with --mean_tokens a row")
     flags.DEFINE_float("mean_tokens", 0.0, "With --occupancy: sampled tokens per row")
     flags.DEFINE_bool("measure", False, "With --roofline: also run each call on the local devices and time it, "
-                      "beside the prediction (sem_jax.measure)")
+                      "beside the prediction (sem_jax.aot.measure)")
     flags.DEFINE_integer("repeats", 3, "With --measure: timed runs per call (after one that compiles)")
     flags.DEFINE_string("hlo_dir", None, "With --measure: write each call's optimized HLO, as this backend "
                         "compiled it, to this directory")

@@ -1,7 +1,7 @@
 """A step's calls as abstract programs (no memory): the target's devices and HBM, the sampler's
 per-layer copies, the per-device bytes of placed trees, and what XLA counts for a compiled
 program (the abstract model itself is `sem_jax.assemble.abstract_model`, built for a compile-only
-run by `assemble.build`). The fit check (`aot`), the roofline and the measured runs (`measure`)
+run by `assemble.build_compile`). The fit check (`aot`), the roofline and the measured runs (`measure`)
 start here.
 """
 
@@ -15,7 +15,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from sem_jax.collectives import ici_bytes
+from sem_jax.aot.collectives import ici_bytes
 from sem_jax.kernels import flash_attention
 from sem_jax.kernels.dispatch import per_layer_default
 from sem_jax.sampling.sampler import layer_list

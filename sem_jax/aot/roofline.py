@@ -32,7 +32,7 @@ calls on the sampler's mesh (`rollout.tensor`) and the trainer's on the training
   divided evenly over the devices (a decode step in the sampler's layout reads at least the
   share of each weight that layout puts on a device: `decode_floor`).
 - the interconnect: the bytes each device sends in the program's collectives, as a ring sends
-  them (`sem_jax.collectives`), counted across loops as the FLOPs are.
+  them (`sem_jax.aot.collectives`), counted across loops as the FLOPs are.
 - the predicted time per call on each chip of CHIPS: the largest of FLOPs / peak, bytes / HBM
   bandwidth and bytes sent / ICI bandwidth, the others overlapped (each chip's time for the
   target's per-device program), and from them the step: one
@@ -53,10 +53,11 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from sem_jax.assemble import abstract_model, build, build_trainer, inserted_tokens, micro_batch
+from sem_jax.assemble import (CompileRun, Settings, abstract_model, build_compile, build_trainer, inserted_tokens,
+                              micro_batch)
 from sem_jax.hosts import batch_shards
 from sem_jax.errors import Refused
-from sem_jax.programs import (Filled, Program, cost, device_bytes, narrower, placed, rows_on, sampler_layers,
+from sem_jax.aot.programs import (Filled, Program, cost, device_bytes, narrower, placed, rows_on, sampler_layers,
                               trainer_bytes)
 from sem_jax.model import Qwen2Config, param_shapes
 from sem_jax.rl.loss import head_chunk
@@ -119,7 +120,7 @@ class Call:
     ideal_bytes: float
     remat_flops: float = 0.0  # the update's ideal plus the remat policy's recompute
     part: str = "rollout"     # rollout or update (the reference pass counts with the update)
-    ici: float = 0.0          # bytes each device sends in the call's collectives (`sem_jax.collectives`)
+    ici: float = 0.0          # bytes each device sends in the call's collectives (`sem_jax.aot.collectives`)
 
     def times(self, chip: Chip) -> dict[str, float]:
         return {"compute": self.flops / chip.flops, "memory": self.bytes / chip.hbm, "interconnect": self.ici / chip.ici}
@@ -243,52 +244,101 @@ def recomputed(parts: tuple[float, float, float], remat: str) -> float:
 
 # -- the calls --------------------------------------------------------------------------------
 
-# Decode steps the measured decode loop runs (`sem_jax.measure`): one call per 32 steps.
+# Decode steps the measured decode loop runs (`sem_jax.aot.measure`): one call per 32 steps.
 MEASURED_STEPS = 32
+
+
+@dataclasses.dataclass(frozen=True)
+class _Step:
+    """A step's shapes, as the roofline counts them."""
+    config: Config
+    settings: Settings
+    mcfg: Qwen2Config
+    devices: int
+    dtype: jnp.dtype    # training's
+    compute: jnp.dtype  # the sampler's and the passes' (compute_weights)
+    prompts: int
+    rows: int
+    prompt: int         # the prompt bucket
+    response: int
+    insert: int         # an insert's width bucket
+    micro: int
+
+    @property
+    def window(self) -> int:
+        return self.prompt + self.response
+
+    @property
+    def item(self) -> int:
+        return self.compute.itemsize
 
 
 def analyse(config: Config, devices: list) -> tuple[list[Call], dict, dict[str, Program]]:
     """Compile every call of a step for `devices` (see the module docstring). Returns the calls,
-    the step's shapes, and each call's program as the step runs it (`sem_jax.measure`)."""
+    the step's shapes, and each call's program as the step runs it (`sem_jax.aot.measure`)."""
     if config.lora.rank:
-        raise Refused("sem_jax.roofline counts a full fine-tune's calls; for a LoRA config (lora.rank > 0) "
+        raise Refused("sem_jax.aot.roofline counts a full fine-tune's calls; for a LoRA config (lora.rank > 0) "
                       "check the fit with sem_jax.aot")
-    run = build(config, "compile", devices=devices)
-    mesh, rollout_mesh, s, mcfg = run.mesh, run.rollout_mesh, run.settings, run.model_config
+    run = build_compile(config, devices)
+    mcfg = run.model_config
     if mcfg.num_layers < 2:
         raise ValueError("the roofline counts one layer as the difference of two compiles: it needs >= 2 layers")
-    n = len(devices)
-    dtype, compute = jnp.dtype(config.model.dtype), jnp.dtype(config.model.compute_dtype)
-    item = compute.itemsize
-    # Training in model.dtype; the sampler's weights cast to the compute dtype (compute_weights).
-    L = mcfg.num_layers
-    trained = {1: (run.model, None, run.params), 2: abstract_model(config, mcfg, mesh, dtype, scan_unroll=2)}
+    s = run.settings
+    resp = s.sampling.response_tokens
+    step = _Step(config=config, settings=s, mcfg=mcfg, devices=len(devices), dtype=jnp.dtype(config.model.dtype),
+                 compute=jnp.dtype(config.model.compute_dtype), prompts=config.data.prompts_per_step,
+                 rows=config.data.prompts_per_step * config.rollout.group_size,
+                 prompt=bucket_length(config.data.max_prompt_tokens), response=resp,
+                 insert=bucket_length(inserted_tokens(config)[0], minimum=8), micro=micro_batch(config))
+    calls: list[Call] = []
+    programs: dict[str, Program] = {}
+    decode, sampler_state, sampler_params, few = _sampler_calls(step, run, devices, calls, programs)
+    params, opt, share, t, w = _trainer_calls(step, run, calls, programs)
+    n, rows, window, kv = step.devices, step.rows, step.window, sampler_state.cache
+    m = decode.memory_analysis()
+    shards = batch_shards(run.rollout_mesh)
+    floor = partial(decode_floor, rows=rows, window=window, item=step.item, share=weight_shares(sampler_params), n=n)
+    per_group = rows // shards  # rows split evenly over the batch shards (hosts.to_global)
+    resident = trainer_bytes(params, opt, config)  # held while the sampler runs
+    shapes = dict(devices=n, device_kind=devices[0].device_kind, rollout_mesh=dict(run.rollout_mesh.shape), rows=rows,
+                  rows_per_group=per_group, group_devices=n // shards,  # a data group: the devices sharing rows
+                  prompt=step.prompt, response=resp, window=window, micro_batch=step.micro,
+                  micro_batches=rows // step.micro, share=share, inputs=t, head_positions=w, insert=step.insert,
+                  resident=resident,
+                  # what a decode step must read in this layout: each device's share of the
+                  # weights (all of them under FSDP, gathered at every step) and of the KV window
+                  decode_floor=floor(mcfg), decode_split=decode_split(few, mcfg, floor),
+                  decode_peak=m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
+                  - m.alias_size_in_bytes + resident,
+                  # per device, from the compiled state's shards (KV heads split over a group, buffers not)
+                  decode_state_per_row=device_bytes(sampler_state) / per_group,
+                  kv_per_row=device_bytes((kv.k, kv.v)) / per_group * window / kv.max_length)
+    return calls, shapes, programs
+
+
+def _sampler_calls(step: _Step, run: CompileRun, devices: list, calls: list[Call], programs: dict[str, Program]):
+    """The rollout's calls (prefill, decode, insert) on the sampler's mesh, counted and measured;
+    returns the compiled decode step, the sampler's state and weights, and the decode step's bytes
+    at 2 and 4 layers."""
+    config, s, mcfg, n, item = step.config, step.settings, step.mcfg, step.devices, step.item
+    rollout_mesh, L = run.rollout_mesh, mcfg.num_layers
+    g, p, rows, tp, resp, window, wi = (config.rollout.group_size, step.prompts, step.rows, step.prompt,
+                                        step.response, step.window, step.insert)
+    sampler_dtype = narrower(step.dtype, step.compute)  # the sampler's weights cast to the compute dtype
     # The sampler's layer scan rolled (the program that runs: memory) and unrolled whole (counted).
-    sampled = {u: abstract_model(config, mcfg, rollout_mesh, narrower(dtype, compute), scan_unroll=u) for u in (1, L)}
-    models, params = {u: m[0] for u, m in trained.items()}, trained[1][2]
+    sampled = {u: abstract_model(config, mcfg, rollout_mesh, sampler_dtype, scan_unroll=u) for u in (1, L)}
     graphs, sampler_params = {u: m[1] for u, m in sampled.items()}, sampled[1][2]
 
     def graph(unroll: int):
         """The sampler's graph with its layer scan unrolled `unroll` times (made when first asked)."""
         if unroll not in graphs:
-            graphs[unroll] = abstract_model(config, mcfg, rollout_mesh, narrower(dtype, compute), scan_unroll=unroll)[1]
+            graphs[unroll] = abstract_model(config, mcfg, rollout_mesh, sampler_dtype, scan_unroll=unroll)[1]
         return graphs[unroll]
-    g, p = config.rollout.group_size, config.data.prompts_per_step
-    rows = p * g
-    micro = micro_batch(config)
-    steps_m = rows // micro
-    resp = s.sampling.response_tokens
-    tp = bucket_length(config.data.max_prompt_tokens)
-    window = tp + resp
-    block, _ = inserted_tokens(config)
-    wi = bucket_length(block, minimum=8)
-    calls: list[Call] = []
-    programs: dict[str, Program] = {}
 
     arr = rows_on(rollout_mesh)
     with jax.set_mesh(rollout_mesh):
         key = jax.eval_shape(lambda: jax.random.key(0))
-        static = dict(group_size=g, cache_len=window, resp_len=resp, cache_dtype=compute)
+        static = dict(group_size=g, cache_len=window, resp_len=resp, cache_dtype=step.compute)
         prompts, lengths = arr((p, tp), jnp.int32), arr((p,), jnp.int32)
         lower = lambda layers: prefill_step.lower(graph(layers), sampler_params, None, prompts, lengths, key, **static)
         prefill = lower(1).compile()
@@ -314,8 +364,7 @@ def analyse(config: Config, devices: list) -> tuple[list[Call], dict, dict[str, 
         few, kv = {}, sampler_state.cache
         for layers in (2, 4):
             small = dataclasses.replace(mcfg, num_layers=layers)
-            _, small_graph, weights = abstract_model(config, small, rollout_mesh, narrower(dtype, compute),
-                                                     scan_unroll=layers)
+            _, small_graph, weights = abstract_model(config, small, rollout_mesh, sampler_dtype, scan_unroll=layers)
             stacked = lambda x: jax.ShapeDtypeStruct((layers, *x.shape[1:]), x.dtype, sharding=x.sharding)
             state = dataclasses.replace(sampler_state, cache=dataclasses.replace(kv, k=stacked(kv.k), v=stacked(kv.v)))
             few[layers] = decode_count(small_graph, weights, state, table, eos, s.sampling, window)["bytes"]
@@ -340,7 +389,17 @@ def analyse(config: Config, devices: list) -> tuple[list[Call], dict, dict[str, 
             programs[calls[-1].name] = Program(
                 insert_step, (graphs[1], sampler_params, copies, None, ids, Filled(nn, wi), end), dict(window=window),
                 rollout_mesh, state_from={3: "prefill"}, donated=(3,))
+    return decode, sampler_state, sampler_params, few
 
+
+def _trainer_calls(step: _Step, run: CompileRun, calls: list[Call], programs: dict[str, Program]):
+    """The update's calls (the reference pass, the update) on the training mesh, counted and
+    measured; returns the parameters, the optimizer state, the shared-prompt group, and the
+    batch's input and head widths."""
+    config, s, mcfg, n, item, micro = step.config, step.settings, step.mcfg, step.devices, step.item, step.micro
+    mesh, L, resp, steps_m = run.mesh, mcfg.num_layers, step.response, step.rows // step.micro
+    models = {1: run.model, 2: abstract_model(config, mcfg, mesh, step.dtype, scan_unroll=2)[0]}
+    params = run.params
     arr = rows_on(mesh)
     with jax.set_mesh(mesh):
         trainers = {(1, 1): run.trainer, **{(u, h): build_trainer(config, models[u], s, mesh, per_layer=False,
@@ -358,7 +417,7 @@ def analyse(config: Config, devices: list) -> tuple[list[Call], dict, dict[str, 
         ref = arr((micro, w), jnp.float32) if s.grpo.beta > 0 else None
         if ref is not None:
             lp_in = {k: batch[k] for k in LOGPROB_KEYS if k in batch}
-            ref_params = abstract_model(config, mcfg, mesh, narrower(dtype, compute))[2]  # train.reference_weights
+            ref_params = abstract_model(config, mcfg, mesh, narrower(step.dtype, step.compute))[2]  # train.reference_weights
             lower = lambda layers, head: trainers[layers, head].logprobs_fn.lower(ref_params, lp_in)
             calls.append(Call(f"reference pass ({micro} rows)", steps_m, **counted(lower, loops),
                               ideal_flops=fwd / n, ideal_bytes=weight_bytes(mcfg, item) / n, part="update"))
@@ -370,24 +429,7 @@ def analyse(config: Config, devices: list) -> tuple[list[Call], dict, dict[str, 
                           remat_flops=(3 * fwd + recomputed(parts, config.model.remat)) / n))
         programs[calls[-1].name] = Program(trainers[1, 1].update_fn, (params, opt, dict(batch, start=start), ref), {},
                                            mesh, donated=(0, 1))
-    m = decode.memory_analysis()
-    shards = batch_shards(rollout_mesh)
-    floor = partial(decode_floor, rows=rows, window=window, item=item, share=weight_shares(sampler_params), n=n)
-    per_group = rows // shards  # rows split evenly over the batch shards (hosts.to_global)
-    resident = trainer_bytes(params, opt, config)  # held while the sampler runs
-    shapes = dict(devices=n, device_kind=devices[0].device_kind, rollout_mesh=dict(rollout_mesh.shape), rows=rows,
-                  rows_per_group=per_group, group_devices=n // shards,  # a data group: the devices sharing rows
-                  prompt=tp, response=resp, window=window, micro_batch=micro, micro_batches=steps_m, share=share,
-                  inputs=t, head_positions=w, insert=wi, resident=resident,
-                  # what a decode step must read in this layout: each device's share of the
-                  # weights (all of them under FSDP, gathered at every step) and of the KV window
-                  decode_floor=floor(mcfg), decode_split=decode_split(few, mcfg, floor),
-                  decode_peak=m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
-                  - m.alias_size_in_bytes + resident,
-                  # per device, from the compiled state's shards (KV heads split over a group, buffers not)
-                  decode_state_per_row=device_bytes(sampler_state) / per_group,
-                  kv_per_row=device_bytes((kv.k, kv.v)) / per_group * window / kv.max_length)
-    return calls, shapes, programs
+    return params, opt, share, t, w
 
 
 def decode_count(graphdef, params, state, stop_table, eos_ids, cfg, window: int) -> dict[str, float]:
