@@ -68,11 +68,21 @@ def test_a_refused_resume_changes_nothing_of_the_run(run):
                   "--config.train.total_steps=3")
     assert proc.returncode == 1
     assert proc.stderr.strip().splitlines() == [
+        f"refused: {run}/config.json: a resumed run cannot change what it trains (model.init.hidden_size: 64 -> 32)."
+        " Nothing was changed; resume with the run's config, or train in a new run_dir"]
+    assert (run / "config.json").read_text() == config  # evaluate and export still read the run's own
+    assert sorted(os.listdir(run / "ckpt")) == ["1", "2"]
+    # A run without config.json (written before there was one): the checkpoint's shapes refuse it.
+    (run / "config.json").unlink()
+    proc = _train(run, "--config.model.init.hidden_size=32", "--config.model.init.intermediate_size=128",
+                  "--config.train.total_steps=3")
+    assert proc.returncode == 1
+    assert proc.stderr.strip().splitlines() == [
         f"refused: {run}/ckpt: step 2 was written by another model or optimizer config: params.embed.value is "
         f"(640, 64) in the checkpoint, (640, 32) in this config. Nothing was restored or changed; use the config it "
         "was trained with (run_dir/config.json), or a new run_dir"]
-    assert (run / "config.json").read_text() == config  # evaluate and export still read the run's own
-    assert sorted(os.listdir(run / "ckpt")) == ["1", "2"]
+    assert not (run / "config.json").exists() and sorted(os.listdir(run / "ckpt")) == ["1", "2"]
+    (run / "config.json").write_text(config)
 
     # A random-init run's tokenizer is part of its checkpoints: a resume never trains another.
     shutil.rmtree(run / "tokenizer")

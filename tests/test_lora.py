@@ -241,7 +241,11 @@ def test_a_lora_run_resumes_exactly_and_refuses_another_base(lora_run, tmp_path)
         np.testing.assert_array_equal(x, y)
     one = _adapters_at(lora_run, 1)
     assert any(not np.array_equal(x, y) for x, y in zip(jax.tree.leaves(one), jax.tree.leaves(two)))
-    # Another base (the random-init model of another seed): refused by its fingerprint.
+    # Another base (the random-init model of another seed): refused by name, as a resume that
+    # changes what trains; without the run's config.json, by the base's fingerprint.
+    proc = _train(b, "--config.train.total_steps=3", "--config.seed=5", check=False)
+    assert proc.returncode != 0 and "a resumed run cannot change what it trains (seed: 0 -> 5)" in proc.stderr
+    (b / "config.json").unlink()
     proc = _train(b, "--config.train.total_steps=3", "--config.seed=5", check=False)
     assert proc.returncode != 0
     assert "adapters were trained on a base with fingerprint" in proc.stdout + proc.stderr
