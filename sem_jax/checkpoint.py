@@ -180,9 +180,9 @@ class Checkpointer:
         return r.params, step
 
     def _damaged(self, step: int, error: Exception) -> RuntimeError:
-        return RuntimeError(f"{self.directory}: step {step} does not restore, though it is there: its files are "
-                            f"damaged ({type(error).__name__}: {str(error).splitlines()[0][:300] if str(error) else ''})"
-                            "; evaluate or export another step (--step)")
+        said = str(error).splitlines()[0][:300] if str(error) else ""
+        return RuntimeError(f"{self.directory}: step {step} is there but does not restore ({type(error).__name__}: "
+                            f"{said}); if its files are damaged, evaluate or export another step (--step)")
 
     def restore_meta(self, step: int) -> dict:
         """`step`'s metadata alone (its step count, data position, a LoRA run's base fingerprint)."""

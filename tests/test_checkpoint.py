@@ -180,8 +180,8 @@ def test_evaluate_and_exports_restore_names_a_missing_step_and_a_damaged_one(tmp
         Checkpointer(str(tmp_path / "ckpt"), read_only=True).restore_params(99, _tree(0))
     for f in (p for p in (tmp_path / "ckpt" / "2" / "params").rglob("*") if p.is_file() and p.stat().st_size > 64):
         f.write_bytes(f.read_bytes()[:16])
-    with pytest.raises(RuntimeError, match=r"ckpt: step 2 does not restore, though it is there: its files are "
-                                           r"damaged \(.*\); evaluate or export another step \(--step\)"):
+    with pytest.raises(RuntimeError, match=r"ckpt: step 2 is there but does not restore \(.*\); if its files are "
+                                           r"damaged, evaluate or export another step \(--step\)"):
         Checkpointer(str(tmp_path / "ckpt"), read_only=True).restore_params(None, _tree(0))
     params, step = Checkpointer(str(tmp_path / "ckpt"), read_only=True).restore_params(1, _tree(0))
     assert step == 1
