@@ -126,6 +126,13 @@ def _manifest(directory: str) -> dict | None:
             raise SystemExit(f"{path}: damaged, not readable as JSON ({e}); stage the parts again") from None
 
 
+def check_file(path: str, entry: dict, then: str = "") -> None:
+    """`path` holds the bytes its manifest `entry` was packed with, else an error naming it (and `then`)."""
+    if os.path.getsize(path) != entry["bytes"] or sha256(path) != entry["sha256"]:
+        raise SystemExit(f"{path}: {os.path.getsize(path)} bytes, not the {entry['bytes']} bytes with sha256 "
+                         f"{entry['sha256'][:12]}... it was packed as{then}")
+
+
 def check_staged(stage_dir: str, manifest: dict, folder: str) -> None:
     """Every file the manifest lists under `folder` is in `stage_dir` with the bytes it was packed
     with (a file changed or lost between the calls is named before anything is installed or copied)."""
@@ -135,9 +142,7 @@ def check_staged(stage_dir: str, manifest: dict, folder: str) -> None:
         path = os.path.join(stage_dir, name)
         if not os.path.exists(path):
             raise SystemExit(f"{path}: missing from the stage (it was packed in {entry['part']}); stage it again")
-        if os.path.getsize(path) != entry["bytes"] or sha256(path) != entry["sha256"]:
-            raise SystemExit(f"{path}: {os.path.getsize(path)} bytes, not the {entry['bytes']} bytes with sha256 "
-                             f"{entry['sha256'][:12]}... it was packed as; stage its part ({entry['part']}) again")
+        check_file(path, entry, f"; stage its part ({entry['part']}) again")
 
 
 def stage(kit: str, stage_dir: str) -> list[str]:
@@ -160,9 +165,7 @@ def stage(kit: str, stage_dir: str) -> list[str]:
                 if os.path.exists(dest):
                     continue  # moved here by an earlier call
                 raise SystemExit(f"{src}: missing from its part")
-            if os.path.getsize(src) != entry["bytes"] or sha256(src) != entry["sha256"]:
-                raise SystemExit(f"{src}: {os.path.getsize(src)} bytes, not the {entry['bytes']} bytes with "
-                                 f"sha256 {entry['sha256'][:12]}... it was packed as")
+            check_file(src, entry)
             os.makedirs(os.path.dirname(dest), exist_ok=True)
             shutil.move(src, dest)
         with open(os.path.join(stage_dir, MANIFEST), "w") as f:

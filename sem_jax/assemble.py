@@ -398,23 +398,23 @@ def _with_policy(frame: dict[str, Any], model: Qwen2, tokenizer) -> dict[str, An
                 pad_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0)
 
 
-def _questions(run: dict[str, Any], processes: int, held_out: bool) -> dict[str, Any]:
-    """The training questions and (`held_out`) this process's share of the held-out ones, capped
-    to data.max_prompt_tokens."""
+def _questions(run: dict[str, Any], processes: int, train_set: list[Example],
+               eval_all: list[Example] | None) -> dict[str, Any]:
+    """The run with the training questions and (`eval_all` given: the held-out ones) this process's
+    share of the held-out ones, capped to data.max_prompt_tokens."""
     config = run["config"]
     cap = lambda examples, where: cap_prompts(examples, run["settings"].protocol, run["settings"].system_prompt,
                                               run["tokenizer"], config.data.max_prompt_tokens, where)
-    train_set = cap(run.pop("train_set", None) or load_questions(config.data.train_file), config.data.train_file)
+    train_set = cap(train_set, config.data.train_file)
     if not train_set:
         raise ValueError(f"{config.data.train_file}: no question's prompt fits data.max_prompt_tokens")
-    eval_all, eval_set = run.pop("eval_all", None) or [], []
-    if held_out:
-        eval_all = cap(eval_all or load_questions(config.data.eval_file), config.data.eval_file)
-        eval_all = eval_all[:config.data.eval_questions]
+    eval_set = []
+    if eval_all is not None:
+        eval_all = cap(eval_all, config.data.eval_file)[:config.data.eval_questions]
         eval_set = process_share(eval_all, jax.process_index(), processes)  # each process evaluates its share
         if not eval_set:
             raise ValueError(f"{processes} processes need at least as many eval questions (data.eval_questions)")
-    return dict(run, train_set=train_set, eval_set=eval_set, eval_total=len(eval_all))
+    return dict(run, train_set=train_set, eval_set=eval_set, eval_total=len(eval_all or []))
 
 
 def _greedy(run: dict[str, Any], calls: CallLog | None = None) -> Sampler:
@@ -454,7 +454,8 @@ def build_warm_start(config: Config) -> WarmStartRun:
     nproc = jax.process_count()
     frame = _frame(config, nproc)
     run = _questions(_with_policy(frame, *build_policy(config, None, frame["run_dir"], frame["mesh"])), nproc,
-                     config.sft.eval)
+                     load_questions(config.data.train_file),
+                     load_questions(config.data.eval_file) if config.sft.eval else None)
     return WarmStartRun(**run, retriever=build_retriever(config), greedy=_greedy(run) if config.sft.eval else None)
 
 
@@ -477,7 +478,7 @@ def build_train(config: Config, *, resuming: bool = False) -> TrainRun:
                                           for e in train_set + eval_all[:config.data.eval_questions]] + \
         [f"{d['title']} {d['text']}" for d in retriever.passages()]
     policy = build_policy(config, texts, frame["run_dir"], mesh, resuming=resuming)
-    run = _questions(dict(_with_policy(frame, *policy), train_set=train_set, eval_all=eval_all), nproc, True)
+    run = _questions(_with_policy(frame, *policy), nproc, train_set, eval_all)
     s, calls = run["settings"], CallLog(config.train.debug_hosts)  # every process's device calls, checked alike
     trainer = build_trainer(config, run["model"], s, mesh, processes=nproc)
     # LoRA on the top layers: the sampler keeps the residual stream entering the lowest adapted one,

@@ -161,7 +161,7 @@ class Checkpointer:
     def restore_params(self, step: int | None, params_like: Any) -> tuple[Any, int]:
         """Parameters alone (no optimizer state read), from `step` or the latest."""
         steps = sorted(self.manager.all_steps())
-        step = self.latest_step() if step is None else step
+        step = (steps[-1] if steps else None) if step is None else step
         if step is None:
             raise FileNotFoundError(f"{self.directory}: no checkpoint")
         if step not in steps:
@@ -197,10 +197,10 @@ class Checkpointer:
             raise self._save_failed(e) from e
 
     def _save_failed(self, e: Exception) -> OSError:
-        free = shutil.disk_usage(self.directory).free
+        free, last = shutil.disk_usage(self.directory).free, self.latest_step()
         return OSError(f"{self.directory}: a checkpoint save failed ({type(e).__name__}: {e}); {free / 2**30:.2f} "
                        f"GiB free there; the last complete checkpoint is "
-                       + (f"step {self.latest_step()}" if self.latest_step() is not None else "none yet (no step saved)"))
+                       + (f"step {last}" if last is not None else "none yet (no step saved)"))
 
     def wait(self) -> None:
         self.manager.wait_until_finished()

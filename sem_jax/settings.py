@@ -390,8 +390,7 @@ RESUMABLE = ("run_dir", "peak_flops", "train.", "mesh.", "distributed.", "data.t
 def resume_changes(before: Config, now: Config, where: str) -> dict[str, list]:
     """The fields `now` changes from the config a run was trained with (`before`, read from
     `where`), as {field: [before, now]}; refused, naming every field, where one is not RESUMABLE."""
-    old, new = (flat_fields(json.loads(c.to_json())) for c in (before, now))
-    changed = {k: [old.get(k), new.get(k)] for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)}
+    changed = changed_fields(json.loads(before.to_json()), now)
     refused = [k for k in changed
                if not any(k == r or k.startswith(r if r.endswith(".") else r + ".") for r in RESUMABLE)]
     if refused:
@@ -399,6 +398,14 @@ def resume_changes(before: Config, now: Config, where: str) -> dict[str, list]:
         raise ConfigError(f"{where}: a resumed run cannot change what it trains ({said}). Nothing was changed; "
                           "resume with the run's config, or train in a new run_dir")
     return changed
+
+
+def changed_fields(before: dict, now: Config) -> dict[str, list]:
+    """The fields in which `now` differs from `before` (a config as JSON, maybe written before a
+    field existed: one it lacks counts as its default), as {field: [before, now]}."""
+    old, new, default = (flat_fields(t) for t in (before, json.loads(now.to_json()), json.loads(Config().to_json())))
+    was = lambda k: old.get(k, default.get(k))
+    return {k: [was(k), new.get(k)] for k in sorted(set(old) | set(new)) if was(k) != new.get(k)}
 
 
 def flat_fields(tree: dict, prefix: str = "") -> dict:

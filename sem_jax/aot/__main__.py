@@ -131,14 +131,32 @@ def check(config: Config, topology: str | None = None, hbm_gib: float | None = N
     return out, hbm
 
 
+@dataclasses.dataclass(frozen=True)
+class _SamplerShapes:
+    """What every sampler program is compiled at: the prompt bucket, the response buffer, the
+    cache dtype, the widest insert, and the abstract key and stop table."""
+    prompt: int
+    resp: int
+    compute: jnp.dtype
+    insert: int
+    key: jax.ShapeDtypeStruct
+    table: jax.ShapeDtypeStruct
+
+    @classmethod
+    def of(cls, config: Config, s, mcfg: Qwen2Config) -> "_SamplerShapes":
+        return cls(prompt=bucket_length(config.data.max_prompt_tokens), resp=s.sampling.response_tokens,
+                   compute=jnp.dtype(config.model.compute_dtype),
+                   insert=bucket_length(inserted_tokens(config)[0], minimum=8),
+                   key=jax.eval_shape(lambda: jax.random.key(0)),
+                   table=jax.ShapeDtypeStruct((mcfg.vocab_size, trie_states(s.protocol.stop_strings)), jnp.int32))
+
+
 def sampler_rows(label: str, graphdef, params, layers, prompts_n: int, group: int, config: Config, s,
                  mcfg: Qwen2Config, arr) -> list[Row]:
     """The sampler's prefill, decode loop and (with searches) insert for `prompts_n` prompts x
     `group` rows each, with its per-layer weights `layers` (`sampler_layers`) or the layer scan."""
-    resp = s.sampling.response_tokens
-    compute = jnp.dtype(config.model.compute_dtype)
-    tp = bucket_length(config.data.max_prompt_tokens)
-    key = jax.eval_shape(lambda: jax.random.key(0))
+    sh = _SamplerShapes.of(config, s, mcfg)
+    tp, resp, compute, key, table, wi = sh.prompt, sh.resp, sh.compute, sh.key, sh.table, sh.insert
     static = dict(group_size=group, cache_len=tp + resp, resp_len=resp, cache_dtype=compute)
     prompts, lengths = arr((prompts_n, tp), jnp.int32), arr((prompts_n,), jnp.int32)
     row, prefill = _compile(f"{label} prefill", prefill_step.lower(graphdef, params, layers, prompts, lengths, key,
@@ -147,13 +165,11 @@ def sampler_rows(label: str, graphdef, params, layers, prompts_n: int, group: in
         return [row]
     state = placed(jax.eval_shape(lambda *a: prefill_step(graphdef, *a, **static), params, layers, prompts,
                                      lengths, key), prefill.output_shardings)
-    table = jax.ShapeDtypeStruct((mcfg.vocab_size, trie_states(s.protocol.stop_strings)), jnp.int32)
     rows = [row, _compile(f"{label} decode loop", decode_loop.lower(
         graphdef, params, layers, state, table, jax.ShapeDtypeStruct((2,), jnp.int32),
         jax.ShapeDtypeStruct((), jnp.int32), cfg=s.sampling, window=tp + resp))[0]]
     if config.rollout.max_searches:  # a search's results, the widest block, into the full cache
         b = prompts_n * group
-        wi = bucket_length(inserted_tokens(config)[0], minimum=8)
         rows.append(_compile(f"{label} insert ({wi} tokens)", insert_step.lower(
             graphdef, params, layers, state, arr((b, wi), jnp.int32), arr((b,), jnp.int32), arr((b,), jnp.bool_),
             window=tp + resp))[0])
@@ -172,9 +188,8 @@ def engine_rows(graphdef, params, layers, prompts_n: int, group: int, config: Co
         return []
     width = -(-config.rollout.slots // multiple) * multiple  # as `Engine.run` rounds it
     arr = rows_on(mesh)
-    resp = s.sampling.response_tokens
-    compute = jnp.dtype(config.model.compute_dtype)
-    tp = bucket_length(config.data.max_prompt_tokens)
+    sh = _SamplerShapes.of(config, s, mcfg)
+    tp, resp, compute, key, table, wi = sh.prompt, sh.resp, sh.compute, sh.key, sh.table, sh.insert
     per = -(-prompts_n // multiple) * multiple  # `Sampler.prefill_prompts` pads the prompts so
     prompts, lengths = arr((per, tp), jnp.int32), arr((per,), jnp.int32)
     label = f"engine, {width} slots"
@@ -185,19 +200,16 @@ def engine_rows(graphdef, params, layers, prompts_n: int, group: int, config: Co
     prompt_kv = placed(jax.eval_shape(lambda *a: prompt_cache(graphdef, *a, cache_dtype=compute), params, layers,
                                       prompts, lengths), cache.output_shardings)
     resident += device_bytes(prompt_kv)
-    key = jax.eval_shape(lambda: jax.random.key(0))
     static = dict(slots=width, cache_len=tp + resp, resp_len=resp, cache_dtype=compute, per_layer=layers is not None)
     row_e, empty = _compile(f"{label}: empty slots", empty_state.lower(graphdef, params, key, **static))
     out = [row, row_e]
     if empty is None:
         return [dataclasses.replace(r, resident=resident) for r in out]
     state = placed(jax.eval_shape(lambda *a: empty_state(graphdef, *a, **static), params, key), empty.output_shardings)
-    table = jax.ShapeDtypeStruct((mcfg.vocab_size, trie_states(s.protocol.stop_strings)), jnp.int32)
     scalar = jax.ShapeDtypeStruct((), jnp.int32)
     out.append(_compile(f"{label}: decode loop", decode_loop.lower(
         graphdef, params, layers, state, table, jax.ShapeDtypeStruct((2,), jnp.int32), scalar, None,
         jax.ShapeDtypeStruct((2,), jnp.int32), cfg=s.sampling, window=tp + resp))[0])
-    wi = bucket_length(inserted_tokens(config)[0], minimum=8)
     admit = (*prompt_kv, arr((width,), jnp.int32), arr((width,), jnp.int32))
     out.append(_compile(f"{label}: refill ({wi} tokens, admissions)", refill_step.lower(
         graphdef, params, layers, state, None, arr((width, wi), jnp.int32), arr((width,), jnp.int32),

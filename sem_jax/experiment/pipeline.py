@@ -34,7 +34,7 @@ from sem_jax.evaluate import evaluate_modes, parse_modes
 from sem_jax.errors import Refused, read_json
 from sem_jax.experiment.data import EVAL_SETS, prepare_data, real_file
 from sem_jax.experiment.report import write_report
-from sem_jax.settings import Config, flat_fields
+from sem_jax.settings import Config, changed_fields
 from sem_jax.sft import finetune
 from sem_jax.train import train
 
@@ -135,12 +135,9 @@ def saved_config(config: Config, out: str) -> None:
         with open(path, "w") as fh:
             fh.write(config.to_json())
         return
-    before = flat_fields(read_json(path, "the experiment's config, written at its first start: restore it, or start "
-                                   "again in a new --out"))
-    now = flat_fields(json.loads(config.to_json()))
     # A field newer than the run is no change while it keeps its default (the run had that behaviour).
-    defaults = flat_fields(json.loads(Config().to_json()))
-    changed = sorted(k for k in set(before) | set(now) if before.get(k, defaults.get(k)) != now.get(k))
+    changed = list(changed_fields(read_json(path, "the experiment's config, written at its first start: restore it, "
+                                                  "or start again in a new --out"), config))
     if changed:
         raise ValueError(f"{out} holds an experiment run with another config (changed: {', '.join(changed[:6])}); "
                          "resume it with the same config, or choose another --out")
