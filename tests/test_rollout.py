@@ -271,6 +271,27 @@ def test_result_blocks_fit_their_budget_and_always_close(qwen25_tokenizer, proto
         proto.block_ids("champions league", hits, tok, 128, 5)
 
 
+@pytest.mark.parametrize("protocol", ["sem", "research"])
+def test_result_blocks_fit_a_small_vocabularys_budget(protocol):
+    """A tiny config's own BPE spends more tokens on the tags and marks than the budget's fixed
+    room for them (19 on the tags alone against BLOCK_EXTRA_TOKENS = 16): with a long title and
+    max_tokens_per_passage <= 7 the block did not fit even cut to one passage with no text, and
+    the rollout raised. The one passage left has its title cut shorter, then dropped."""
+    from sem_jax.assemble import BLOCK_EXTRA_TOKENS, PASSAGE_EXTRA_TOKENS
+    from sem_jax.model.tokenizer import train_bpe_tokenizer
+    from sem_jax.protocol import get_protocol
+    tok = train_bpe_tokenizer(["The knockout phase began on 17 February 2015 and ended with the final."] * 4, 300)
+    proto = get_protocol(protocol)
+    title = "Ωμέγα λόγος supercalifragilistic " + LONG_TITLES[0]
+    hit = Passage("0", title, "The knockout phase began on 17 February 2015.", 1.0)
+    for per in range(1, 8):
+        budget = PASSAGE_EXTRA_TOKENS + per + BLOCK_EXTRA_TOKENS  # top_k = 1
+        ids, shortened = proto.block_ids("champions league", [hit], tok, per, budget)
+        block = tok.decode(ids)
+        assert shortened and len(ids) <= budget and block.rstrip().endswith("</result>"), (per, block)
+        assert block.count("<result>") == 1 and "supercalifragilistic" not in block, (per, block)
+
+
 def test_budget_counts_inserted_tokens(qwen25_tokenizer, retriever):
     tok = qwen25_tokenizer
     enc = lambda s: tok.encode(s, add_special_tokens=False)

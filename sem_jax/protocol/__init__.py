@@ -38,23 +38,30 @@ class Protocol:
         """The ids of the block inserted after a search, at most `max_block_tokens` and always
         closed. A block built longer (long titles, text that tokenizes differently in place) has its
         titles cut to `chat.TITLE_TOKENS` (the budget's room for them), then its passages' texts
-        cut shorter, then its last passages dropped; never its tags. Returns (ids, whether it was
-        shortened)."""
+        cut shorter, then its last passages dropped, then the one left its title cut shorter and
+        dropped (a small vocabulary spends more tokens on the marks than the budget allows for);
+        never its tags. Returns (ids, whether it was shortened)."""
         enc = lambda text: tokenizer.encode(text, add_special_tokens=False)
         ids = enc(self.result_block(query, passages, tokenizer, max_tokens_per_passage))
         if len(ids) <= max_block_tokens:
             return ids, False
-        budget, passages = max_tokens_per_passage, list(passages)
-        ids = enc(self.result_block(query, passages, tokenizer, budget, chat.TITLE_TOKENS))
+        budget, title_budget, passages = max_tokens_per_passage, chat.TITLE_TOKENS, list(passages)
+        ids = enc(self.result_block(query, passages, tokenizer, budget, title_budget))
         while len(ids) > max_block_tokens:
+            excess = len(ids) - max_block_tokens
             if budget > 0:  # the excess spread over the passages, at least a token each round
-                budget = max(0, budget - max(1, -(-(len(ids) - max_block_tokens) // max(1, len(passages)))))
+                budget = max(0, budget - max(1, -(-excess // max(1, len(passages)))))
             elif len(passages) > 1:
                 passages.pop()
+            elif title_budget > 0:
+                title_budget = max(0, title_budget - excess)
+            elif passages and passages[0].title:
+                passages = [dataclasses.replace(passages[0], title="")]
             else:
                 raise ValueError(f"max_block_tokens={max_block_tokens} cannot hold a {self.name} result block "
-                                 f"with one passage's cut title and no text ({len(ids)} tokens)")
-            ids = enc(self.result_block(query, passages, tokenizer, budget, chat.TITLE_TOKENS))
+                                 f"with one passage's mark and no title or text ({len(ids)} tokens): raise "
+                                 "retrieval.max_tokens_per_passage")
+            ids = enc(self.result_block(query, passages, tokenizer, budget, title_budget))
         return ids, True
 
     def rag_prompt(self, ex, results: str) -> str:
