@@ -284,6 +284,10 @@ class Experiment:
     countries: int = setting(20, **POSITIVE)
     multihop_eval: int = setting(200, **POSITIVE)    # multi-hop questions evaluated (stratified by hops)
     modes: str = "policy,direct,naive_rag"           # evaluation modes of every policy
+    # The MMLU questions GRPO trains on as known. label: all (the paper's premise: a model that knows
+    # MMLU); warm_right: those the warm start answers right first (greedy), for a model that knows
+    # few. The evaluation's questions stay as drawn either way.
+    known: str = setting("label", choices=("label", "warm_right"))
 
 
 @dataclasses.dataclass(frozen=True)

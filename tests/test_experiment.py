@@ -235,3 +235,51 @@ def test_damaged_experiment_files_are_named(tmp_path):
     (tmp_path / "eval" / "sem" / "results.json").write_bytes(b"\xff\xfe{")
     with pytest.raises(Refused, match=r"eval/sem/results\.json: damaged, .*delete eval/sem and run the experiment"):
         read_results(str(tmp_path), ["warm", "sem"])
+
+
+def test_known_for_the_model_is_what_the_warm_start_answers_right_first(tmp_path, monkeypatch):
+    """`experiment.known = "warm_right"`: GRPO's known half is the training MMLU questions whose
+    first answer the warm start gets right (a right answer only after a search does not count);
+    the multi-hop half is cut to match, 1:1; the stage refuses when none is right."""
+    import types
+
+    from sem_jax.data.example import Example
+    from sem_jax.data.questions import question_row
+    from sem_jax.experiment import pipeline
+    from sem_jax.experiment.data import write_jsonl
+    from sem_jax.protocol import SEM
+    from sem_jax.settings import Config
+
+    mc = lambda i: Example(id=f"m{i}", question=f"Which {i}?", answers=("B",), source="mmlu", needs_search=False,
+                           kind="mc", category="s", options=("w", "x", "y", "z"))
+    hop = lambda i: Example(id=f"h{i}", question=f"Who {i}?", answers=(f"P{i}",), source="multihop",
+                            needs_search=True)
+    train = [mc(i) for i in range(4)] + [hop(i) for i in range(5)]
+    write_jsonl(str(tmp_path / "train.jsonl"), [question_row(e) for e in train])
+    right, wrong = "<think>k</think>\n<answer>B</answer>", "<think>k</think>\n<answer>C</answer>"
+    responses = {"m0": right, "m1": wrong, "m2": wrong + "\n<search>q</search>\n<result>\n(1) x\n</result>\n"
+                 "<think>f</think>\n<answer>B</answer>", "m3": right + "\n<search>q</search>\n<result>\n(1) x\n"
+                 "</result>\n<think>f</think>\n<answer>B</answer>"}
+    asked = []
+
+    def score(run, data, modes, out):
+        (examples,) = data.values()
+        asked.append([e.id for e in examples])
+        write_jsonl(os.path.join(out, "predictions_policy_mmlu_train.jsonl"),
+                    [{"id": e.id, "response": responses[e.id], "end_reason": "eos"} for e in examples])
+
+    run = types.SimpleNamespace(settings=types.SimpleNamespace(protocol=SEM), cap=lambda examples, where: examples)
+    monkeypatch.setattr(pipeline, "build_evaluation", lambda config, hf: run)
+    monkeypatch.setattr(pipeline, "_score", score)
+    pipeline.known_stage(Config(), str(tmp_path), {"train": str(tmp_path / "train.jsonl")}, seed=0)
+    assert asked == [["m0", "m1", "m2", "m3"]]  # the training file's MMLU questions, not its multi-hop ones
+    mix = load_questions(pipeline.known_file(str(tmp_path)))
+    assert sorted(e.id for e in mix if not e.needs_search) == ["m0", "m3"]
+    assert sum(e.needs_search for e in mix) == 2
+    done = json.loads((tmp_path / "known" / "finished.json").read_text())
+    assert done["asked"] == 4 and done["right_first"] == 2 and pipeline.stage_done(str(tmp_path), "known")
+    responses.update(m0=wrong, m3=wrong)
+    with pytest.raises(Exception, match="answered none of the 4 training MMLU questions right first"):
+        pipeline.known_stage(Config(), str(tmp_path / "again"), {"train": str(tmp_path / "train.jsonl")}, seed=0)
+    cfg = Config().replace(experiment={"known": "warm_right"})
+    assert "known" in pipeline.stages(cfg) and "known" not in pipeline.stages(Config().replace(experiment={}))

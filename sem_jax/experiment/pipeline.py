@@ -4,6 +4,9 @@
    into OUT/data;
 2. warm: the format warm start (`sem_jax.sft` with `sft.decision = "random"`: a share of traces
    search whatever the question), from `model.path` into OUT/warm;
+   known (with `experiment.known = "warm_right"`): the warm start, greedy, on the training MMLU
+   questions; those it answers right first make the known half of both GRPO runs' training mix
+   (OUT/known);
 3. sem: GRPO with the SEM protocol from the warm start (OUT/sem);
 4. eval/warm, eval/sem: the warm start and SEM's policy evaluated in every mode of
    `experiment.modes`, on MMLU, the multi-hop world and GSM8K (OUT/eval/<policy>);
@@ -29,11 +32,13 @@ import time
 
 from sem_jax.assemble import build_evaluation
 from sem_jax.checkpoint import Checkpointer
-from sem_jax.data.questions import load_questions
+from sem_jax.data.mix import sem_mix
+from sem_jax.data.questions import load_questions, question_row
 from sem_jax.evaluate import evaluate_modes, parse_modes
 from sem_jax.errors import Refused, read_json
-from sem_jax.experiment.data import EVAL_SETS, prepare_data, real_file
+from sem_jax.experiment.data import EVAL_SETS, prepare_data, real_file, write_jsonl
 from sem_jax.experiment.report import write_report
+from sem_jax.rewards.answers import score_answer
 from sem_jax.settings import Config, changed_fields
 from sem_jax.sft import finetune
 from sem_jax.train import train
@@ -59,6 +64,7 @@ def stage_configs(config: Config, out: str, files: dict[str, str]) -> dict[str, 
     """The config of each training and evaluation stage: the experiment's, without its own section,
     on the experiment's data, each with its start, protocol and run directory."""
     base = config.model.path
+    train = known_file(out) if config.experiment.known == "warm_right" else files["train"]
     common = config.replace(**{"experiment": None, "data.train_file": files["train"], "data.eval_file": files["eval"],
                                "retrieval.corpus": files["corpus"], "retrieval.index_dir": None})
     warm = os.path.join(out, "warm")
@@ -66,8 +72,9 @@ def stage_configs(config: Config, out: str, files: dict[str, str]) -> dict[str, 
         "warm": common.replace(**{"sft.decision": "random", "protocol": "sem", "prompt_example": False,
                                   "run_dir": os.path.join(out, "warm.run")}),
         "sem": common.replace(**{"model.path": warm, "protocol": "sem", "prompt_example": False,
-                                 "run_dir": os.path.join(out, "sem")}),
-        "research": common.replace(**{"model.path": base, "protocol": "research", "run_dir": os.path.join(out, "research")}),
+                                 "run_dir": os.path.join(out, "sem"), "data.train_file": train}),
+        "research": common.replace(**{"model.path": base, "protocol": "research", "run_dir": os.path.join(out, "research"),
+                                      "data.train_file": train}),
         "eval/base": common.replace(**{"protocol": "sem", "prompt_example": True}),
         "eval/warm": common.replace(**{"model.path": warm, "protocol": "sem", "prompt_example": False}),
     }
@@ -78,16 +85,58 @@ def _evaluate(config: Config, out: str, files: dict[str, str], modes: list[str],
     os.makedirs(out, exist_ok=True)
     run = build_evaluation(config, checkpoint=checkpoint, hf=hf)
     data = {name: run.cap(load_questions(files[name]), name) for name in EVAL_SETS}
-    s = run.settings
-    evaluate_modes(run.greedy, run.tokenizer, run.retriever, data, modes, s.rollout, batch_size=run.eval_batch,
-                   out_dir=out, system_prompt=s.system_prompt, protocol=s.protocol, mesh=run.mesh)
+    _score(run, data, modes, out)
     _mark(out, {"protocol": config.protocol, "source": hf or checkpoint, "modes": modes,
                 "questions": {name: len(examples) for name, examples in data.items()}})
 
 
+def _score(run, data: dict, modes: list[str], out: str) -> None:
+    s = run.settings
+    evaluate_modes(run.greedy, run.tokenizer, run.retriever, data, modes, s.rollout, batch_size=run.eval_batch,
+                   out_dir=out, system_prompt=s.system_prompt, protocol=s.protocol, mesh=run.mesh)
+
+
+def known_file(out: str) -> str:
+    return os.path.join(out, "known", "train.jsonl")
+
+
+def known_stage(config: Config, out: str, files: dict[str, str], seed: int) -> None:
+    """Known for this model: the warm start, greedy, in the policy mode, on the training file's
+    MMLU questions. Those whose first answer is right (a guess that lands counts too) and the
+    multi-hop questions make a new 1:1 training mix, OUT/known/train.jsonl. Never the evaluation
+    questions: they stay as drawn."""
+    where = os.path.dirname(known_file(out))
+    os.makedirs(where, exist_ok=True)
+    run = build_evaluation(config, hf=os.path.join(out, "warm"))
+    train = load_questions(files["train"])
+    asked = run.cap([e for e in train if not e.needs_search], "mmlu_train")
+    _score(run, {"mmlu_train": asked}, ["policy"], where)
+    by_id = {e.id: e for e in asked}
+    right = []
+    with open(os.path.join(where, "predictions_policy_mmlu_train.jsonl")) as fh:
+        for line in fh:
+            r = json.loads(line)
+            first = run.settings.protocol.parse(r["response"], r["end_reason"] == "eos").first_answer
+            if score_answer(first, by_id[r["id"]])[0] == 1.0:
+                right.append(by_id[r["id"]])
+    if not right:
+        raise Refused(f"{where}: the warm start answered none of the {len(asked)} training MMLU questions right "
+                      "first: nothing is known to it; use experiment.known='label'")
+    mix = sem_mix([e for e in train if e.needs_search], right, seed=seed)
+    write_jsonl(known_file(out), [question_row(e) for e in mix])
+    _mark(where, {"asked": len(asked), "right_first": len(right),
+                  "train": {"known (mmlu, right first)": sum(not e.needs_search for e in mix),
+                            "unknown (multihop)": sum(e.needs_search for e in mix)}})
+
+
 # The goal's headline first (the warm start against SEM's policy), so that a run cut short by a
 # time limit has answered most of it: then ReSearch, then the base model.
-STAGES = ("warm", "sem", "eval/warm", "eval/sem", "research", "eval/research", "eval/base")
+STAGES = ("warm", "known", "sem", "eval/warm", "eval/sem", "research", "eval/research", "eval/base")
+
+
+def stages(config: Config) -> tuple[str, ...]:
+    """The stages `config` runs: "known" only where known is the warm start's."""
+    return tuple(n for n in STAGES if n != "known" or config.experiment.known == "warm_right")
 
 
 def stage_done(out: str, name: str) -> bool:
@@ -102,6 +151,8 @@ def run_stage(config: Config, out: str, name: str) -> None:
     cfgs = stage_configs(config, out, files)
     if name == "warm":
         finetune(cfgs["warm"], os.path.join(out, "warm"))
+    elif name == "known":
+        known_stage(cfgs["eval/warm"], out, files, config.seed)
     elif name in ("sem", "research"):
         train_stage(cfgs[name], name)
     elif name.startswith("eval/"):
@@ -175,7 +226,7 @@ def run_experiment(config: Config, out: str) -> dict:
     files = prepare_data(exp, config.seed, os.path.join(out, "data"))
     with open(os.path.join(out, "data", "summary.json")) as fh:
         print(fh.read(), flush=True)
-    for name in STAGES:
+    for name in stages(config):
         _stage(name, t0)
         if stage_done(out, name):
             print(f"{os.path.join(out, name)}: finished before, reused", flush=True)
@@ -195,7 +246,11 @@ def _report(config: Config, out: str, files: dict[str, str], show: bool = True) 
     runs = {"SEM": cfgs["sem"].run_dir, "ReSearch": cfgs["research"].run_dir}
     note = (f"{os.path.basename(config.model.path.rstrip('/'))}: {config.train.total_steps} GRPO steps of "
             f"{config.data.prompts_per_step} prompts x {config.rollout.group_size}, seed {config.seed}")
-    pending = [name for name in STAGES if not stage_done(out, name)]
+    if config.experiment.known == "warm_right":
+        note += "; GRPO's known questions: the training MMLU questions the warm start answers right first"
+        if stage_done(out, "known"):
+            note += " ({right_first} of {asked})".format(**read_json(os.path.join(out, "known", DONE), "the known stage"))
+    pending = [name for name in stages(config) if not stage_done(out, name)]
     if pending:
         note += f". Partial: {', '.join(pending)} not run yet"
     return write_report(out, list(POLICIES), runs, list(EVAL_SETS), note, show=show)
