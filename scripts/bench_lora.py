@@ -28,12 +28,12 @@ import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-PROMPTS, G, PROMPT_LEN, NEW, MICRO = 4, 4, 320, 192, 8
+PROMPTS, G, PROMPT_LEN, NEW, MICRO = 4, 4, 320, 192, 8  # MICRO: the :cpu config's micro-batch
 BETA = 0.001
 
 
 def one_setting(path: str, rank: int, layers: int, iters: int, args_full_forward: bool = False,
-                beta: float = BETA) -> dict:
+                beta: float = BETA, micro: int = MICRO) -> dict:
     """This process's timings for one setting (rank 0: the full fine-tune; `args_full_forward`:
     LoRA without the sampler's residual stream, the update running every layer)."""
     import jax
@@ -58,7 +58,7 @@ def one_setting(path: str, rank: int, layers: int, iters: int, args_full_forward
     sampler = Sampler(model, never, SamplingConfig(max_new_tokens=NEW, temperature=1.0),
                       resid_layer=spec.first if spec and not args_full_forward else -1)
     trainer = Trainer(model, GRPOConfig(beta=beta, clip_eps=0.2), OptimConfig(lr=1e-5, grad_clip=1.0),
-                      micro_batch=MICRO, group_size=G, lora=spec)
+                      micro_batch=micro, group_size=G, lora=spec)
     _, params = nnx.split(model)
     del model
     if spec:
@@ -82,7 +82,7 @@ def one_setting(path: str, rank: int, layers: int, iters: int, args_full_forward
                             resid=None if resid is None else resid[r, :PROMPT_LEN + n[r] - 1].copy())
                  for r in range(PROMPTS * G)]
         adv = rng.randn(PROMPTS * G).astype(np.float32)
-        batch = build_batch(trajs, adv, micro_batch=MICRO, group_size=G)
+        batch = build_batch(trajs, adv, micro_batch=micro, group_size=G)
         t1 = time.perf_counter()
         ref_lp = jax.block_until_ready(trainer.reference_logprobs(ref, batch))
         t2 = time.perf_counter()
@@ -109,12 +109,14 @@ def main(argv=None) -> int:
     ap.add_argument("--layers", type=int, default=4, help="top layers with adapters")
     ap.add_argument("--out", default="bench_lora.json")
     ap.add_argument("--beta", type=float, default=BETA, help="KL coefficient (0: no reference pass or copy)")
+    ap.add_argument("--micro", type=int, default=MICRO,
+                    help="rows a micro-batch, every setting (the full fine-tune fits 24 GiB only below the default)")
     ap.add_argument("--settings", default="lora,lora_full_forward,full", help="which settings to run")
     ap.add_argument("--one", help=argparse.SUPPRESS)  # "rank,layers,full_forward": one setting here, its JSON
     args = ap.parse_args(argv)
     if args.one:
         rank, layers, full_forward = map(int, args.one.split(","))
-        print(json.dumps(one_setting(args.model, rank, layers, args.iters, bool(full_forward), args.beta)))
+        print(json.dumps(one_setting(args.model, rank, layers, args.iters, bool(full_forward), args.beta, args.micro)))
         return 0
     results = {}
     wanted = args.settings.split(",")
@@ -123,7 +125,7 @@ def main(argv=None) -> int:
             continue
         print(f"{name} (rank {rank}, top {args.layers} layers)" if rank else name, flush=True)
         proc = subprocess.run([sys.executable, __file__, "--model", args.model, "--iters", str(args.iters),
-                               "--beta", str(args.beta), "--one", f"{rank},{args.layers},{full_forward}"],
+                               "--beta", str(args.beta), "--micro", str(args.micro), "--one", f"{rank},{args.layers},{full_forward}"],
                               stdout=subprocess.PIPE, text=True)
         if proc.returncode:  # killed for memory, say: recorded, the other settings still run
             results[name] = {"failed": f"exit {proc.returncode}"}
@@ -144,7 +146,7 @@ def main(argv=None) -> int:
                                                             / ok["lora"]["after_rollout_s"])
     report = dict(machine=dict(platform=platform.platform(), cpus=os.cpu_count()),
                   workload=dict(checkpoint=args.model, prompts=PROMPTS, group=G, prompt_len=PROMPT_LEN, new_tokens=NEW,
-                                micro_batch=MICRO, beta=args.beta, lora_rank=args.rank, lora_layers=args.layers),
+                                micro_batch=args.micro, beta=args.beta, lora_rank=args.rank, lora_layers=args.layers),
                   **results, speedup=ratios)
     with open(args.out, "w") as fh:
         json.dump(report, fh, indent=2)
