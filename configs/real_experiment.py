@@ -53,7 +53,7 @@ experiment's result.
 import os
 
 from sem_jax.config import base_config, paper_recipe
-from sem_jax.settings import Experiment, to_config_dict
+from sem_jax.config import Experiment, to_config_dict
 
 REAL_MODEL = os.path.expanduser(os.environ.get("SEM_JAX_REAL_MODEL", "~/.cache/sem_jax/qwen2.5-coder-0.5b-instruct"))
 REAL_DATA = os.environ.get("SEM_JAX_REAL_DATA", "~/.cache/sem_jax/data")

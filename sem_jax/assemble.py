@@ -1,10 +1,10 @@
-"""The one place a config becomes runtime objects; train, evaluate and aot all build here.
+"""The one place a config becomes a run; train, evaluate and aot all build here.
 
-`settings(config)` turns the config's fields into the runtime dataclasses (sampling, rollout,
-GRPO, optimizer, reward); nothing else reads those fields, so there is no second set of
-defaults. The `build_*` functions make the objects that hold arrays or files (mesh, policy,
-retriever, samplers, trainer), and one builder per purpose puts a run's together from them
-(`build_train`, `build_evaluation`, `build_warm_start`, `build_compile`).
+The config's sections build the small runtime dataclasses they describe (`Config.sampling`,
+`Config.engine`, `Config.grpo`, `Optim.build`, `Mesh.build`). The `build_*` functions here make the
+objects that hold arrays or files (policy, retriever, samplers, trainer), and one builder per
+purpose puts a run's together from them (`build_train`, `build_evaluation`, `build_warm_start`,
+`build_compile`).
 """
 
 from __future__ import annotations
@@ -32,90 +32,11 @@ from sem_jax.model import lora as lora_lib
 from sem_jax.model.hf_io import read_config
 from sem_jax.model.presets import preset
 from sem_jax.model.tokenizer import load_tokenizer, train_bpe_tokenizer
-from sem_jax.protocol import Protocol, get_protocol
-from sem_jax.rl.loss import GRPOConfig
-from sem_jax.rl.trainer import OptimConfig, Trainer
-from sem_jax.sampling import Engine, RolloutConfig, Sampler, SamplingConfig, build_stop_automaton
-from sem_jax.rewards.rules import RewardParams, check_sem_params, get_reward
-from sem_jax.settings import Config, ConfigError
-from sem_jax.sharding import make_mesh, named_sharding, replicated, tensor_groups
-
-
-# -- the config's fields as runtime dataclasses ---------------------------------------------
-
-# Inserted tokens are bounded per search, so that buffers are sized from the config alone:
-PASSAGE_EXTRA_TOKENS = 16   # per passage beyond its text's budget: its title, cut (chat.TITLE_TOKENS)
-                            # where a block is over budget, and marks ("(i) ", ": ", " ...", newline)
-BLOCK_EXTRA_TOKENS = 16     # per result block beyond its passages: the tags
-NOTE_TOKENS = 32            # the search-limit note
-
-
-def inserted_tokens(config: Config) -> tuple[int, int]:
-    """(one search's block at most, all inserted tokens of a response at most): max_searches
-    blocks of top_k passages, and the limit note once."""
-    r = config.retrieval
-    block = r.top_k * (r.max_tokens_per_passage + PASSAGE_EXTRA_TOKENS) + BLOCK_EXTRA_TOKENS
-    return block, config.rollout.max_searches * block + NOTE_TOKENS
-
-
-@dataclasses.dataclass(frozen=True)
-class Settings:
-    protocol: Protocol
-    system_prompt: str              # config.system_prompt, or the protocol's
-    sampling: SamplingConfig        # training rollouts (eos ids added once the tokenizer is known)
-    rollout: RolloutConfig
-    grpo: GRPOConfig
-    optim: OptimConfig
-    reward: Callable                # (parsed, example, params) -> (reward, case)
-    reward_params: RewardParams
-
-    @property
-    def greedy(self) -> SamplingConfig:
-        """Evaluation: the same budget, greedy."""
-        return SamplingConfig(max_new_tokens=self.sampling.max_new_tokens, greedy=True,
-                              eos_ids=self.sampling.eos_ids, max_inserted_tokens=self.sampling.max_inserted_tokens)
-
-    def with_eos(self, tokenizer) -> "Settings":
-        return dataclasses.replace(self, sampling=dataclasses.replace(self.sampling, eos_ids=stop_ids(tokenizer)))
-
-
-def settings(config: Config) -> Settings:
-    """Every runtime dataclass of `config` (whose fields `sem_jax.settings.load` checked), checked
-    together: a reward that cannot read the protocol's responses, SEM constants under which a
-    search is free."""
-    r = config.rollout
-    protocol = get_protocol(config.protocol)
-    reward = config.reward or protocol.reward
-    get_reward(reward)
-    if reward == "sem" and protocol.name != "sem":
-        raise ValueError(f"reward='sem' reads SEM's first and final answers; protocol={protocol.name!r} gives one "
-                         "answer (leave reward unset for the protocol's own)")
-    if r.narrow and r.lockstep:
-        raise ValueError("rollout.narrow narrows the continuous engine's batch; rollout.lockstep keeps its batch "
-                         "(today's static rollout): set one of them")
-    reward_params = config.reward_params
-    if reward == "sem":
-        check_sem_params(reward_params)
-    block, inserted = inserted_tokens(config)
-    system_prompt = config.system_prompt or protocol.system_prompt
-    if config.prompt_example:
-        system_prompt += protocol.example
-    return Settings(
-        protocol=protocol,
-        system_prompt=system_prompt,
-        sampling=SamplingConfig(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p,
-                                top_k=r.top_k, max_inserted_tokens=inserted),
-        rollout=RolloutConfig(group_size=r.group_size, max_searches=r.max_searches, top_k=config.retrieval.top_k,
-                              max_tokens_per_passage=config.retrieval.max_tokens_per_passage,
-                              max_block_tokens=block, max_note_tokens=NOTE_TOKENS, slots=r.slots,
-                              chunk_steps=r.chunk_steps, lockstep=r.lockstep, narrow=r.narrow,
-                              retrieval_threads=r.retrieval_threads, retrieval_timeout_s=r.retrieval_timeout_s),
-        grpo=GRPOConfig(beta=config.rl.beta, clip_eps=config.rl.clip_eps, clip_eps_high=config.rl.clip_eps_high,
-                        loss_agg=config.rl.loss_agg, dr_grpo_length=r.max_new_tokens),
-        optim=OptimConfig(total_steps=config.train.total_steps, **dataclasses.asdict(config.optim)),
-        reward=get_reward(reward),
-        reward_params=reward_params,
-    )
+from sem_jax.protocol import Protocol
+from sem_jax.rl.trainer import Trainer
+from sem_jax.sampling import Engine, Sampler, build_stop_automaton
+from sem_jax.config import Config, ConfigError
+from sem_jax.sharding import named_sharding, replicated, tensor_groups
 
 
 def stop_ids(tokenizer) -> tuple[int, ...]:
@@ -135,15 +56,9 @@ def micro_batch(config: Config, processes: int = 1) -> int:
 
 # -- objects -----------------------------------------------------------------------------
 
-def build_mesh(config: Config, devices: Sequence | None = None) -> Mesh:
-    return make_mesh(config.mesh.data, config.mesh.fsdp, config.mesh.tensor, devices=devices)
-
-
 def build_rollout_mesh(config: Config, mesh: Mesh) -> Mesh:
     """The sampler's mesh: `mesh` itself (rollout.tensor = 0) or its devices in tensor-parallel
     groups of rollout.tensor (`sharding.tensor_groups`; rollout.spread: the MLP and LM head over all of them)."""
-    if config.rollout.spread and not config.rollout.tensor:
-        raise ValueError("rollout.spread splits the MLP and LM head over rollout.tensor's groups: set rollout.tensor too")
     return tensor_groups(mesh, config.rollout.tensor, config.rollout.spread) if config.rollout.tensor else mesh
 
 
@@ -271,8 +186,10 @@ def build_retriever(config: Config):
     return Retriever.from_jsonl(r.corpus, show_progress=False, threads=r.threads)
 
 
-def build_sampler(model: Qwen2, tokenizer, sampling: SamplingConfig, config: Config, protocol: Protocol, *,
-                  mesh: Mesh | None = None, calls: CallLog | None = None, resid_layer: int = -1) -> Sampler:
+def build_sampler(model: Qwen2, tokenizer, config: Config, *, greedy: bool = False, mesh: Mesh | None = None,
+                  calls: CallLog | None = None, resid_layer: int = -1) -> Sampler:
+    """The sampler of `config.sampling` (`greedy`: evaluation's), stopping at the protocol's
+    search tag and the tokenizer's end ids."""
     t, kv = config.rollout.tensor, model.config.num_kv_heads
     if t and kv % t:
         print(f"WARNING: rollout.tensor={t} does not divide the model's {kv} KV heads: each tensor-parallel "
@@ -282,8 +199,8 @@ def build_sampler(model: Qwen2, tokenizer, sampling: SamplingConfig, config: Con
         print(f"WARNING: rollout.spread: the model's {m} MLP columns do not divide over the {mesh.size} devices: "
               f"split over the largest run of the sampler's mesh axes that divides them (sharding.logical_to_spec)",
               flush=True)
-    stop = build_stop_automaton(tokenizer, protocol.stop_strings, vocab_size=model.config.vocab_size)
-    sampler = Sampler(model, stop, sampling, mesh=mesh, calls=calls, window_steps=config.rollout.window_steps,
+    stop = build_stop_automaton(tokenizer, config.chat_protocol().stop_strings, vocab_size=model.config.vocab_size)
+    sampler = Sampler(model, stop, config.sampling(stop_ids(tokenizer), greedy=greedy), mesh=mesh, calls=calls, window_steps=config.rollout.window_steps,
                       max_prompt_tokens=config.data.max_prompt_tokens, resid_layer=resid_layer)
     if config.rollout.narrow and not sampler.can_narrow():
         print("WARNING: rollout.narrow is ignored: the sampler's rows are split over processes or devices, and "
@@ -291,13 +208,14 @@ def build_sampler(model: Qwen2, tokenizer, sampling: SamplingConfig, config: Con
     return sampler
 
 
-def check_positions(config: Config, s: Settings, model_config: Qwen2Config) -> None:
+def check_positions(config: Config, model_config: Qwen2Config) -> None:
     """The longest sequence a rollout can build must fit the model's positions (RoPE beyond them
     is untrained): refused at start, with the sum."""
-    longest = config.data.max_prompt_tokens + s.sampling.max_new_tokens + s.sampling.max_inserted_tokens
+    sampling = config.sampling()
+    longest = config.data.max_prompt_tokens + sampling.max_new_tokens + sampling.max_inserted_tokens
     if longest > model_config.max_position_embeddings:
         raise ValueError(f"data.max_prompt_tokens={config.data.max_prompt_tokens} + rollout.max_new_tokens="
-                         f"{s.sampling.max_new_tokens} + {s.sampling.max_inserted_tokens} inserted tokens (retrieval, "
+                         f"{sampling.max_new_tokens} + {sampling.max_inserted_tokens} inserted tokens (retrieval, "
                          f"rollout.max_searches) = {longest} is over the model's max_position_embeddings="
                          f"{model_config.max_position_embeddings}")
 
@@ -319,9 +237,16 @@ def cap_prompts(examples: Sequence[Example], protocol: Protocol, system_prompt: 
     return keep
 
 
-def build_trainer(config: Config, model: Qwen2, s: Settings, mesh: Mesh, *, processes: int = 1,
+def cap_config_prompts(examples: Sequence[Example], config: Config, tokenizer, where: str) -> list[Example]:
+    """`cap_prompts` under the config's protocol, system prompt and data.max_prompt_tokens."""
+    return cap_prompts(examples, config.chat_protocol(), config.prompt(), tokenizer, config.data.max_prompt_tokens,
+                       where)
+
+
+def build_trainer(config: Config, model: Qwen2, mesh: Mesh, *, processes: int = 1,
                   per_layer: bool | None = None, unroll_head: int = 1) -> Trainer:
-    return Trainer(model, s.grpo, s.optim, micro_batch=micro_batch(config, processes),
+    return Trainer(model, config.grpo(), config.optim.build(config.train.total_steps),
+                   micro_batch=micro_batch(config, processes),
                    logprob_chunk=config.rl.logprob_chunk, per_layer=per_layer, group_size=config.rollout.group_size,
                    shards=batch_shards(mesh), unroll_head=unroll_head, lora=lora_lib.spec_of(config.lora, model.config))
 
@@ -330,11 +255,9 @@ def build_trainer(config: Config, model: Qwen2, s: Settings, mesh: Mesh, *, proc
 
 @dataclasses.dataclass(kw_only=True)
 class Run:
-    """What every purpose's run has: the config, its settings (with the tokenizer's stop ids once
-    there is one) and meshes."""
+    """What every purpose's run has: the config and its meshes."""
     config: Config
     run_dir: str
-    settings: Settings
     mesh: Mesh                       # training's (evaluate: the sampler's, where the weights load)
     rollout_mesh: Mesh               # the sampler's (`rollout.tensor`)
     model_config: Qwen2Config
@@ -360,8 +283,7 @@ class PolicyRun(Run):
 
     def cap(self, examples: Sequence[Example], where: str) -> list[Example]:
         """`examples` whose prompt fits data.max_prompt_tokens (`cap_prompts`)."""
-        return cap_prompts(examples, self.settings.protocol, self.settings.system_prompt, self.tokenizer,
-                           self.config.data.max_prompt_tokens, where)
+        return cap_config_prompts(examples, self.config, self.tokenizer, where)
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -383,18 +305,17 @@ class TrainRun(WarmStartRun):
 
 
 def _frame(config: Config, processes: int, devices: Sequence | None = None) -> dict[str, Any]:
-    """Every run's first step: its settings and meshes (a `Run`'s fields but the model's)."""
-    mesh = build_mesh(config, devices)
-    return dict(config=config, run_dir=os.path.abspath(config.run_dir), settings=settings(config), mesh=mesh,
+    """Every run's first step: its meshes (a `Run`'s fields but the model's)."""
+    mesh = config.mesh.build(devices)
+    return dict(config=config, run_dir=os.path.abspath(config.run_dir), mesh=mesh,
                 rollout_mesh=build_rollout_mesh(config, mesh),
                 eval_batch=max(1, config.data.prompts_per_step // processes) * config.rollout.group_size)
 
 
 def _with_policy(frame: dict[str, Any], model: Qwen2, tokenizer) -> dict[str, Any]:
-    """The frame with its policy: positions checked, the tokenizer's stop ids, its pad id."""
-    config, s = frame["config"], frame["settings"]
-    check_positions(config, s, model.config)
-    return dict(frame, model=model, tokenizer=tokenizer, model_config=model.config, settings=s.with_eos(tokenizer),
+    """The frame with its policy: positions checked, its pad id."""
+    check_positions(frame["config"], model.config)
+    return dict(frame, model=model, tokenizer=tokenizer, model_config=model.config,
                 pad_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0)
 
 
@@ -403,8 +324,7 @@ def _questions(run: dict[str, Any], processes: int, train_set: list[Example],
     """The run with the training questions and (`eval_all` given: the held-out ones) this process's
     share of the held-out ones, capped to data.max_prompt_tokens."""
     config = run["config"]
-    cap = lambda examples, where: cap_prompts(examples, run["settings"].protocol, run["settings"].system_prompt,
-                                              run["tokenizer"], config.data.max_prompt_tokens, where)
+    cap = lambda examples, where: cap_config_prompts(examples, config, run["tokenizer"], where)
     train_set = cap(train_set, config.data.train_file)
     if not train_set:
         raise ValueError(f"{config.data.train_file}: no question's prompt fits data.max_prompt_tokens")
@@ -418,9 +338,8 @@ def _questions(run: dict[str, Any], processes: int, train_set: list[Example],
 
 
 def _greedy(run: dict[str, Any], calls: CallLog | None = None) -> Sampler:
-    s = run["settings"]
-    return build_sampler(run["model"], run["tokenizer"], s.greedy, run["config"], s.protocol,
-                         mesh=run["rollout_mesh"], calls=calls)
+    return build_sampler(run["model"], run["tokenizer"], run["config"], greedy=True, mesh=run["rollout_mesh"],
+                         calls=calls)
 
 
 def build_compile(config: Config, devices: Sequence | None = None) -> CompileRun:
@@ -430,7 +349,7 @@ def build_compile(config: Config, devices: Sequence | None = None) -> CompileRun
     frame.pop("eval_batch")
     mcfg = model_config(config)
     model, _, params = abstract_model(config, mcfg, frame["mesh"], config.model.dtype)
-    trainer = build_trainer(config, model, frame["settings"], frame["mesh"], per_layer=False)  # the layer scan
+    trainer = build_trainer(config, model, frame["mesh"], per_layer=False)  # the layer scan
     return CompileRun(**frame, model_config=mcfg, model=model, params=params, trainer=trainer)
 
 
@@ -470,26 +389,27 @@ def build_train(config: Config, *, resuming: bool = False) -> TrainRun:
     if config.data.prompts_per_step % nproc:  # each process rolls out its share of a step
         raise ValueError(f"data.prompts_per_step={config.data.prompts_per_step} must divide by the {nproc} processes")
     frame = _frame(config, nproc)
-    s, mesh = frame["settings"], frame["mesh"]
+    mesh = frame["mesh"]
     retriever = build_retriever(config)
     train_set, eval_all = load_questions(config.data.train_file), load_questions(config.data.eval_file)
     # Text for a random-init model's BPE (only read when no model.path is given).
-    texts = lambda: [s.system_prompt] + [e.question + " " + " ".join(e.answers)
+    texts = lambda: [config.prompt()] + [e.question + " " + " ".join(e.answers)
                                           for e in train_set + eval_all[:config.data.eval_questions]] + \
         [f"{d['title']} {d['text']}" for d in retriever.passages()]
     policy = build_policy(config, texts, frame["run_dir"], mesh, resuming=resuming)
     run = _questions(_with_policy(frame, *policy), nproc, train_set, eval_all)
-    s, calls = run["settings"], CallLog(config.train.debug_hosts)  # every process's device calls, checked alike
-    trainer = build_trainer(config, run["model"], s, mesh, processes=nproc)
+    calls = CallLog(config.train.debug_hosts)  # every process's device calls, checked alike
+    trainer = build_trainer(config, run["model"], mesh, processes=nproc)
     # LoRA on the top layers: the sampler keeps the residual stream entering the lowest adapted one,
     # and the update starts there (both per layer; the layer scan runs every layer).
     spec = trainer.lora
     resid_layer = spec.first if spec is not None and spec.first > 0 and trainer.per_layer else -1
-    sampler = build_sampler(run["model"], run["tokenizer"], s.sampling, config, s.protocol, mesh=run["rollout_mesh"],
-                            calls=calls, resid_layer=resid_layer)
+    sampler = build_sampler(run["model"], run["tokenizer"], config, mesh=run["rollout_mesh"], calls=calls,
+                            resid_layer=resid_layer)
     # Each process pads its rows so that the global batch splits into micro-batches and over the batch
     # shards, and its groups stay whole runs of the trainer's shared prompts.
     row_multiple = int(np.lcm.reduce([trainer.micro_batch // nproc, local_batch_multiple(mesh), trainer.share]))
     return TrainRun(**run, retriever=retriever, greedy=_greedy(run, calls),
-                    engine=Engine(sampler, run["tokenizer"], retriever, s.rollout, s.protocol), trainer=trainer,
+                    engine=Engine(sampler, run["tokenizer"], retriever, config.engine(), config.chat_protocol()),
+                    trainer=trainer,
                     calls=calls, per_host=max(1, config.data.prompts_per_step // nproc), row_multiple=row_multiple)

@@ -8,7 +8,7 @@ import os
 
 import jax
 
-from sem_jax.settings import Distributed
+from sem_jax.config import Distributed
 
 
 _started = False  # whether this process started the distributed runtime (`initialize`)

@@ -35,8 +35,8 @@ from sem_jax.errors import exit_on_error
 from sem_jax.policy_eval import MODES, aggregate, all_records, run_mode
 from sem_jax.protocol import SEM, Protocol
 from sem_jax.sampling import RolloutConfig
-from sem_jax.settings import load
-from sem_jax.settings import run_config as settings_of_run
+from sem_jax.config import load
+from sem_jax.config import run_config as settings_of_run
 
 def results_table(results: dict[str, dict[str, dict[str, float]]], datasets: Sequence[str]) -> str:
     """Markdown: one row per mode, EM / F1 / SR (%) per data set, as the paper's tables."""
@@ -207,10 +207,9 @@ def main(argv):
     if FLAGS.limit:
         data = {name: write_sample(out if writer else None, name, examples, FLAGS.limit, FLAGS.seed)
                 for name, examples in data.items()}
-    s = run.settings
-    results = evaluate_modes(run.greedy, run.tokenizer, run.retriever, data, modes, s.rollout,
+    results = evaluate_modes(run.greedy, run.tokenizer, run.retriever, data, modes, config.engine(),
                              batch_size=run.eval_batch, out_dir=out if writer else None,
-                             system_prompt=s.system_prompt, protocol=s.protocol, mesh=run.mesh)
+                             system_prompt=config.prompt(), protocol=config.chat_protocol(), mesh=run.mesh)
     if writer:
         print(results_table(results, list(data)))
         print(f"wrote {out}/results.md, results.json and per-question predictions")

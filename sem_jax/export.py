@@ -34,8 +34,8 @@ from sem_jax.model import Qwen2, save_pretrained
 from sem_jax.model import lora as lora_lib
 from sem_jax.model.hf_io import read_config
 from sem_jax.model.tokenizer import load_tokenizer, save_tokenizer
-from sem_jax.settings import Config
-from sem_jax.settings import run_config as settings_of_run
+from sem_jax.config import Config
+from sem_jax.config import run_config as settings_of_run
 from sem_jax.whole_dir import writing
 
 

@@ -41,7 +41,7 @@ from sem_jax.model.qwen2 import Qwen2
 from sem_jax.rl.loss import GRPOConfig
 from sem_jax.rl.trainer import OptimConfig, Trainer
 from sem_jax.sampling.sampler import bucket_length
-from sem_jax.settings import Config, load
+from sem_jax.config import Config, load
 from sem_jax.sharding import replicate
 from sem_jax.traces import Pair, build_traces
 
@@ -208,18 +208,19 @@ def finetune(config: Config, out: str, *, overwrite: bool = False, dtype: str | 
     check_out_dir(out, overwrite, sources=[config.model.path])
     t_start = time.perf_counter()
     run = build_warm_start(config)
-    s, model, tokenizer, retriever, mesh = run.settings, run.model, run.tokenizer, run.retriever, run.mesh
-    pairs, stats = build_traces(run.train_set, tokenizer, retriever, s.protocol, count=f.traces,
+    model, tokenizer, retriever, mesh = run.model, run.tokenizer, run.retriever, run.mesh
+    protocol, system_prompt = config.chat_protocol(), config.prompt()
+    pairs, stats = build_traces(run.train_set, tokenizer, retriever, protocol, count=f.traces,
                                 search_share=f.search_share, top_k=config.retrieval.top_k,
                                 max_tokens_per_passage=config.retrieval.max_tokens_per_passage,
-                                system_prompt=s.system_prompt, seed=config.seed, decision=f.decision)
+                                system_prompt=system_prompt, seed=config.seed, decision=f.decision)
     print(f"warm start: {stats.summary()}", flush=True)
     report: dict[str, Any] = {"source": os.path.abspath(config.model.path), "traces": stats.__dict__,
                               "sft": dataclasses.asdict(f), "lora": dataclasses.asdict(config.lora),
-                              "system_prompt": s.system_prompt}
+                              "system_prompt": system_prompt}
     def score(when: str) -> None:  # as training evaluates: every process its share
-        report[when] = policy_scores(run.greedy, tokenizer, retriever, run.eval_set, s.rollout, run.eval_batch,
-                                     s.system_prompt, s.protocol, mesh)
+        report[when] = policy_scores(run.greedy, tokenizer, retriever, run.eval_set, config.engine(),
+                                     run.eval_batch, system_prompt, protocol, mesh)
         print(_scores_line(when, report[when], run.eval_total), flush=True)
     if f.eval:
         score("before")

@@ -29,7 +29,7 @@ from absl import logging as absl_logging
 from flax import nnx
 from ml_collections import ConfigDict, config_flags
 
-from sem_jax.assemble import TrainRun, build_train, settings
+from sem_jax.assemble import TrainRun, build_train
 from sem_jax.checkpoint import Checkpointer
 from sem_jax.config import one_line_config_errors, parse_flags
 from sem_jax.data.example import Example
@@ -47,8 +47,8 @@ from sem_jax.rl.trainer import learning_rate
 from sem_jax.run_lock import RunLock
 from sem_jax.sampling import RolloutStats, Trajectory
 from sem_jax.sampling.sampler import compute_weights
-from sem_jax.rewards.rules import CASES
-from sem_jax.settings import Config, load, resume_changes, run_config
+from sem_jax.rewards.rules import CASES, get_reward
+from sem_jax.config import Config, load, resume_changes, run_config
 from sem_jax.sharding import replicate, shard_params
 
 DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "cpu.py")
@@ -103,7 +103,7 @@ def initial_state(run: TrainRun, ckpt: Checkpointer) -> TrainState:
     with jax.set_mesh(run.mesh):
         _, params = nnx.split(run.model)
         params = shard_params(params, run.mesh)
-        beta = run.settings.grpo.beta > 0
+        beta = run.config.rl.beta > 0
         spec = run.trainer.lora
         if spec is not None:  # the base is frozen: it is the reference too, no copy
             base = params
@@ -152,8 +152,9 @@ def step_questions(run: TrainRun, step: int) -> list[Example]:
 
 def rollout_and_score(run: TrainRun, state: TrainState, examples: list[Example]) -> Scored:
     """G trajectories per question, their rewards and group-relative advantages."""
-    s, c = run.settings, run.config
-    prompts = [s.protocol.encode_prompt(run.tokenizer, e, s.system_prompt) for e in examples]
+    c = run.config
+    protocol, reward, system_prompt = c.chat_protocol(), get_reward(c.reward_name()), c.prompt()
+    prompts = [protocol.encode_prompt(run.tokenizer, e, system_prompt) for e in examples]
     run.engine.set_weights(policy_weights(state, run.trainer.lora))
     with jax.set_mesh(run.mesh):
         t0 = time.perf_counter()
@@ -163,11 +164,11 @@ def rollout_and_score(run: TrainRun, state: TrainState, examples: list[Example])
     rewards, cases, records = [], [], []
     for t in trajs:
         ex = examples[t.prompt_index]
-        rew, case = s.reward(s.protocol.parse(t.text, t.end_reason == "eos"), ex, s.reward_params)
+        rew, case = reward(protocol.parse(t.text, t.end_reason == "eos"), ex, c.reward_params)
         rewards.append(rew)
         cases.append(case)
-        records.append(score_trajectory(t, ex, s.protocol))
-    adv = group_advantages(np.array(rewards), s.rollout.group_size, eps=c.rl.adv_eps,
+        records.append(score_trajectory(t, ex, protocol))
+    adv = group_advantages(np.array(rewards), c.rollout.group_size, eps=c.rl.adv_eps,
                            scale_by_std=c.rl.scale_adv_by_std)
     return Scored(examples, trajs, stats, rewards, cases, records, adv, seconds)
 
@@ -177,7 +178,7 @@ def update(run: TrainRun, state: TrainState, scored: Scored) -> tuple[dict, dict
     metrics, this process's batch rows and the pass times."""
     width, response = (agree_max(f(scored.trajs)) for f in (batch_width, response_width))
     host = build_batch(scored.trajs, scored.advantages, micro_batch=run.row_multiple, pad_id=run.pad_id,
-                       width=width, response=response, group_size=run.settings.rollout.group_size)
+                       width=width, response=response, group_size=run.config.rollout.group_size)
     with jax.set_mesh(run.mesh):
         batch = {k: to_global(v, run.mesh) for k, v in host.items()}
         run.calls.record("update", batch)
@@ -197,9 +198,9 @@ def update(run: TrainRun, state: TrainState, scored: Scored) -> tuple[dict, dict
 def step_metrics(run: TrainRun, state: TrainState, scored: Scored, m: dict, host: dict, times: dict,
                  t_start: float) -> dict[str, float]:
     """The step's metrics over every process's trajectories (advances `state.skipped_total`)."""
-    lr = float(learning_rate(run.settings.optim)(state.step - state.skipped_total))  # optax counts applied updates
+    lr = float(learning_rate(run.trainer.optim)(state.step - state.skipped_total))  # optax counts applied updates
     state.skipped_total += int(m["skipped"])
-    g = run.settings.rollout.group_size
+    g = run.config.rollout.group_size
     shares = gather_json({"rewards": scored.rewards, "cases": scored.cases, "adv": np.abs(scored.advantages).tolist(),
                           "tied": tied_groups(scored.rewards, g), "groups": len(scored.rewards) // g,
                           "records": [{k: r[k] for k in RECORD_KEYS} for r in scored.records],
@@ -230,9 +231,9 @@ def step_metrics(run: TrainRun, state: TrainState, scored: Scored, m: dict, host
 def evaluate_policy(run: TrainRun, state: TrainState) -> dict[str, float]:
     """Greedy evaluation on the held-out questions, every process its share."""
     run.greedy.set_params(policy_weights(state, run.trainer.lora))
-    s = run.settings
-    scores = policy_scores(run.greedy, run.tokenizer, run.retriever, run.eval_set, s.rollout, run.eval_batch,
-                           s.system_prompt, s.protocol, run.mesh)
+    c = run.config
+    scores = policy_scores(run.greedy, run.tokenizer, run.retriever, run.eval_set, c.engine(), run.eval_batch,
+                           c.prompt(), c.chat_protocol(), run.mesh)
     run.calls.check(f"eval at step {state.step}")
     return scores
 
@@ -293,7 +294,6 @@ def save(run: TrainRun, ckpt: Checkpointer, state: TrainState) -> None:
 
 def train(config: Config) -> dict[str, float]:
     """Run (or resume) training as configured; returns the last step's metrics."""
-    settings(config)  # fail fast on a bad field, before any file or model
     run_dir = os.path.abspath(config.run_dir)
     os.makedirs(run_dir, exist_ok=True)
     check_shared_dir(run_dir)
@@ -336,7 +336,7 @@ def _train(config: Config, run_dir: str) -> dict[str, float]:
         return scores
 
     if t.eval_at_start and start == 0:
-        check_start_validity(evaluate_and_log(), t.min_start_valid, run.settings.protocol.name)
+        check_start_validity(evaluate_and_log(), t.min_start_valid, run.config.protocol)
     with StopSignals() as stop:
         while state.step < total:
             t_step = time.perf_counter()

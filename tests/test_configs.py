@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from sem_jax.settings import load
+from sem_jax.config import load
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -20,15 +20,12 @@ def _load(name, *args):
 
 
 def test_configs():
-    from sem_jax.assemble import settings as runtime
-    from sem_jax.rewards.rules import research_reward, sem_reward
-    settings = lambda c: runtime(load(c))
     demo = _load("demo_cpu")
-    assert demo.model.path is None and demo.protocol == "sem" and settings(demo).reward is sem_reward
+    assert demo.model.path is None and demo.protocol == "sem" and load(demo).reward_name() == "sem"
     gpu = _load("gpu")
-    assert settings(gpu).system_prompt.startswith("Answer the question. First think briefly")
+    assert load(gpu).prompt().startswith("Answer the question. First think briefly")
     gpu.protocol = "research"  # the protocol brings its own prompt and reward
-    assert settings(gpu).reward is research_reward and "wikipedia search tool" in settings(gpu).system_prompt
+    assert load(gpu).reward_name() == "research" and "wikipedia search tool" in load(gpu).prompt()
     gpu = _load("gpu")
     assert "Qwen2.5-1.5B-Instruct" in gpu.model.path and gpu.model.compute_dtype == "bfloat16"
     assert gpu.rollout.group_size == 5 and gpu.retrieval.top_k == 5 and gpu.optim.lr == 1e-6
@@ -36,15 +33,15 @@ def test_configs():
     for name in ("qwen3-8b", "qwen3-14b"):
         c = _load("tpu_v4", name)
         assert c.model.preset == name and c.model.path.endswith("Qwen3-" + name.split("-")[1].upper())
-        assert settings(c).reward is sem_reward
+        assert load(c).reward_name() == "sem"
     qwen3 = _load("gpu", "qwen3-1.7b")
     assert qwen3.model.preset == "qwen3-1.7b" and qwen3.model.path.endswith("Qwen3-1.7B") and qwen3.run_dir != gpu.run_dir
     with pytest.raises(ValueError, match="choose one of"):
         _load("gpu", "qwen3-32b")
-    for variant in ("gpu", "cpu", "smoke"):  # the experiment: its own section, which its stages strip
+    for variant in ("gpu", "cpu", "cpu_known", "smoke"):  # the experiment: its own section, which its stages strip
         exp = load(_load("real_experiment", variant))
         assert exp.experiment is not None and exp.sft.decision == "random" and exp.model.path.endswith("instruct")
-        assert runtime(exp.replace(experiment=None)).reward is sem_reward
+        assert exp.replace(experiment=None).reward_name() == "sem"
     assert load(_load("real_experiment", "smoke")).train.total_steps == 1 < load(_load("real_experiment")).train.total_steps
     cpu = load(_load("real_experiment", "cpu"))  # the issue's floor: 20 steps of 16 rows, 48 questions a data set
     assert cpu.train.total_steps >= 20 and cpu.data.prompts_per_step * cpu.rollout.group_size >= 16
@@ -54,8 +51,10 @@ def test_configs():
         _load("tpu_v4", "70b")
     real = _load("real_cpu")  # the real-checkpoint check: paper recipe at a CPU's sizes, no reference copy
     assert real.model.path.endswith("qwen2.5-coder-0.5b-instruct") and real.model.compute_dtype == "float32"
-    assert settings(real).grpo.beta == 0 and real.rl.micro_batch == 1 and settings(real).optim.lr == 1e-6
+    real = load(real)
+    assert real.grpo().beta == 0 and real.rl.micro_batch == 1 and real.optim.build(10).lr == 1e-6
     # Placeholders accept a value of their type.
+    demo = _load("demo_cpu")
     demo.rl.clip_eps_high = 0.28
     demo.train.debug_kill_at_step = 2
 
@@ -86,7 +85,7 @@ def test_default_configs_are_the_cpu_ones():
     from sem_jax.train import DEFAULT_CONFIG
     assert DEFAULT_CONFIG == os.path.join(REPO, "configs", "cpu.py")
     # The demo is the CPU training config plus its own two sections, which training never sees.
-    from sem_jax.demo.config import DEMO_SECTIONS, training_config
+    from sem_jax.config import DEMO_SECTIONS, training_config
     demo, cpu = _load("demo_cpu"), _load("cpu")
     assert set(demo) - set(cpu) == set(DEMO_SECTIONS)
     assert training_config(load(demo)) == load(cpu)
@@ -124,7 +123,7 @@ def test_out_of_range_fields_are_refused_by_name(field, value, message):
 def test_one_trajectory_a_question_is_refused_for_training_not_for_evaluation():
     """GRPO needs groups of 2 or more; an evaluation samples one greedy row a question whatever it is."""
     from sem_jax.assemble import build_train
-    from sem_jax.settings import ConfigError
+    from sem_jax.config import ConfigError
     c = load(_load("cpu")).replace(**{"rollout.group_size": 1})
     with pytest.raises(ConfigError, match=r"config.rollout.group_size=1: training needs at least 2 \(GRPO's "):
         build_train(c)
@@ -132,30 +131,29 @@ def test_one_trajectory_a_question_is_refused_for_training_not_for_evaluation():
 
 
 def test_narrowing_a_lockstep_rollout_is_refused():
-    from sem_jax.assemble import settings
     c = _load("cpu")
     c.rollout.narrow = True
-    assert settings(load(c)).rollout.narrow
+    assert load(c).engine().narrow
     c.rollout.lockstep = True
     with pytest.raises(ValueError, match="rollout.narrow narrows the continuous engine's batch; rollout.lockstep"):
-        settings(load(c))
+        load(c)
 
 
 def test_a_rollout_longer_than_the_models_positions_is_refused():
-    from sem_jax.assemble import check_positions, settings
+    from sem_jax.assemble import check_positions
     from sem_jax.model import Qwen2Config
     c = load(_load("cpu"))
-    s = settings(c)
-    longest = c.data.max_prompt_tokens + s.sampling.max_new_tokens + s.sampling.max_inserted_tokens
+    s = c.sampling()
+    longest = c.data.max_prompt_tokens + s.max_new_tokens + s.max_inserted_tokens
     shape = dict(vocab_size=64, hidden_size=8, intermediate_size=8, num_layers=1, num_heads=1, num_kv_heads=1)
-    check_positions(c, s, Qwen2Config(**shape, max_position_embeddings=longest))
+    check_positions(c, Qwen2Config(**shape, max_position_embeddings=longest))
     with pytest.raises(ValueError, match=rf"data\.max_prompt_tokens=256 \+ rollout\.max_new_tokens=192 \+ \d+ inserted "
                                          rf".* = {longest} is over the model's max_position_embeddings={longest - 1}"):
-        check_positions(c, s, Qwen2Config(**shape, max_position_embeddings=longest - 1))
+        check_positions(c, Qwen2Config(**shape, max_position_embeddings=longest - 1))
 
 
 def test_the_settings_own_every_field_and_refuse_what_they_do_not_know():
-    from sem_jax.settings import Config, ConfigError, from_dict, to_config_dict, to_dict
+    from sem_jax.config import Config, ConfigError, from_dict, to_config_dict, to_dict
     assert load(to_config_dict()) == Config()  # the config files' starting point is the settings' defaults
     demo = load(_load("demo_cpu"))
     assert load(to_config_dict(demo)) == demo and from_dict(to_dict(demo)) == demo

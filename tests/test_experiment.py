@@ -14,7 +14,7 @@ from sem_jax.data.questions import load_questions
 from sem_jax.experiment.data import prepare_data
 from sem_jax.experiment.report import goal_checks
 from sem_jax.experiment.world import QUESTIONS, build_multihop_world
-from sem_jax.settings import Experiment
+from sem_jax.config import Experiment
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORLD = dict(people=60, eval_people=10, organisations=12, cities=9, countries=4)
@@ -136,7 +136,7 @@ def test_a_resumed_experiment_must_bring_its_config(tmp_path):
     """OUT/experiment.json pins the config its stages ran with: the same one resumes, another is
     refused naming what changed."""
     from sem_jax.experiment.pipeline import saved_config
-    from sem_jax.settings import load
+    from sem_jax.config import load
 
     sys.path.insert(0, os.path.join(REPO, "configs"))
     import real_experiment
@@ -164,7 +164,7 @@ def test_the_experiment_checks_its_inputs_before_pinning_its_config(tmp_path, mo
 
     from sem_jax.errors import Refused
     from sem_jax.experiment.pipeline import run_experiment
-    from sem_jax.settings import load
+    from sem_jax.config import load
 
     sys.path.insert(0, os.path.join(REPO, "configs"))
     import real_experiment
@@ -195,7 +195,7 @@ def test_a_training_stage_stopped_early_is_not_marked_finished(tmp_path, monkeyp
     step 22). The same run reaching its last step is marked."""
     from sem_jax.errors import Refused
     from sem_jax.experiment import pipeline
-    from sem_jax.settings import Config
+    from sem_jax.config import Config
 
     cfg = Config().replace(**{"run_dir": str(tmp_path / "sem"), "train.total_steps": 30})
     reached = {"step": 22}
@@ -225,7 +225,7 @@ def test_damaged_experiment_files_are_named(tmp_path):
     from sem_jax.errors import Refused
     from sem_jax.experiment.pipeline import saved_config
     from sem_jax.experiment.report import read_results
-    from sem_jax.settings import Config
+    from sem_jax.config import Config
 
     (tmp_path / "experiment.json").write_text('{"seed": 0, "mod')
     with pytest.raises(Refused, match=re.escape(f"{tmp_path}/experiment.json: damaged, not readable as JSON (")
@@ -248,7 +248,7 @@ def test_known_for_the_model_is_what_the_warm_start_answers_right_first(tmp_path
     from sem_jax.experiment import pipeline
     from sem_jax.experiment.data import write_jsonl
     from sem_jax.protocol import SEM
-    from sem_jax.settings import Config
+    from sem_jax.config import Config
 
     mc = lambda i: Example(id=f"m{i}", question=f"Which {i}?", answers=("B",), source="mmlu", needs_search=False,
                            kind="mc", category="s", options=("w", "x", "y", "z"))

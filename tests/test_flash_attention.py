@@ -138,7 +138,7 @@ def test_config_kernels_reach_the_model(tmp_path):
     from sem_jax.assemble import abstract_model
     from sem_jax.assemble import build_policy
     from sem_jax.config import cpu_config
-    from sem_jax.settings import load
+    from sem_jax.config import load
     from sem_jax.model import from_pretrained
 
     config = load(cpu_config()).replace(**{"model.kernels": "xla"})

@@ -178,7 +178,7 @@ def _loss(trainer, base, ad, batch):
 
 
 def test_spec_of_the_config_section():
-    from sem_jax.settings import Lora
+    from sem_jax.config import Lora
     assert lora.spec_of(Lora(), CFG) is None
     s = lora.spec_of(Lora(rank=8, alpha=16.0, targets="q, down", layers=3), CFG)
     assert (s.first, s.adapted, s.targets, s.scale) == (1, 3, ("q", "down"), 2.0)
@@ -208,7 +208,7 @@ def _train(run_dir, *extra, check=True):
 def _base(run_dir, seed=None):
     """The random-init base a run trained on (its seed's), its config and spec."""
     from sem_jax.assemble import build_policy
-    from sem_jax.settings import run_config
+    from sem_jax.config import run_config
     cfg = run_config(str(run_dir), "")
     if seed is not None:
         cfg = cfg.replace(seed=seed)
@@ -261,7 +261,7 @@ def test_a_lora_run_exports_merged_weights_and_peft_adapters(lora_run, tmp_path)
     from sem_jax.assemble import restore_policy
     from sem_jax.export import export
     from sem_jax.model import save_pretrained
-    from sem_jax.settings import run_config
+    from sem_jax.config import run_config
 
     # A copy of the run whose checkpoint holds adapters that change the model, written as training writes it.
     run = tmp_path / "run"
@@ -302,7 +302,7 @@ def test_restoring_adapters_onto_another_base_is_refused(lora_run):
 def test_export_never_replaces_the_base_model_it_reads(tmp_path):
     """Refused before any work, whatever the flags: the run's model.path is what export reads."""
     from sem_jax.export import export
-    from sem_jax.settings import Config
+    from sem_jax.config import Config
     base = tmp_path / "base"
     base.mkdir()
     (base / "config.json").write_text("{}")

@@ -237,13 +237,12 @@ def test_result_blocks_fit_their_budget_and_always_close(qwen25_tokenizer, proto
     made a block one token over the budget, cut through `</result>`: the response then parsed
     invalid. A block over budget has its titles cut (the budget's room for them), then is cut
     inside its passages."""
-    from sem_jax.assemble import inserted_tokens
     from sem_jax.config import base_config, paper_recipe
     from sem_jax.protocol import get_protocol
     from sem_jax.protocol.chat import TITLE_TOKENS
-    from sem_jax.settings import load
+    from sem_jax.config import load
     tok, proto = qwen25_tokenizer, get_protocol(protocol)
-    block_budget, _ = inserted_tokens(load(paper_recipe(base_config())))
+    block_budget, _ = load(paper_recipe(base_config())).inserted_tokens()
     text = " ".join(["The knockout phase began on 17 February 2015 and ended with the final."] * 20)
     hits = [Passage(str(i), title, text, 1.0) for i, title in enumerate(LONG_TITLES)]
     whole = tok.encode(proto.result_block("champions league", hits, tok, 128), add_special_tokens=False)
@@ -277,7 +276,7 @@ def test_result_blocks_fit_a_small_vocabularys_budget(protocol):
     room for them (19 on the tags alone against BLOCK_EXTRA_TOKENS = 16): with a long title and
     max_tokens_per_passage <= 7 the block did not fit even cut to one passage with no text, and
     the rollout raised. The one passage left has its title cut shorter, then dropped."""
-    from sem_jax.assemble import BLOCK_EXTRA_TOKENS, PASSAGE_EXTRA_TOKENS
+    from sem_jax.config import BLOCK_EXTRA_TOKENS, PASSAGE_EXTRA_TOKENS
     from sem_jax.model.tokenizer import train_bpe_tokenizer
     from sem_jax.protocol import get_protocol
     tok = train_bpe_tokenizer(["The knockout phase began on 17 February 2015 and ended with the final."] * 4, 300)
@@ -448,12 +447,13 @@ class JitteryRetriever(SlowRetriever):
 def test_a_step_replays_bit_for_bit_whatever_the_retrievers_latency(qwen25_tokenizer, retriever, narrow):
     """The continuous engine's schedule (when answers are appended, which rows share an append,
     the attention windows, the narrowed widths) depends on the rows alone: an instant retriever,
-    a 50 ms one and a jittery one give the same boundaries and bit-identical log-probs."""
+    a 250 ms one and a jittery one give the same boundaries and bit-identical log-probs. (At 50 ms,
+    on a loaded machine, 3 decode steps outlasted the retriever and nothing was waited for.)"""
     tok = qwen25_tokenizer
     sampler, prompts, script = _engine_case(tok, False, window_steps=8)
     cfg = RolloutConfig(group_size=3, **ENGINE_BASE, slots=5 if narrow else 4, chunk_steps=3, narrow=narrow)
     runs = [rollout(sampler, tok, r, prompts, jax.random.key(7), cfg, script=script)
-            for r in (retriever, SlowRetriever(retriever, 0.05), JitteryRetriever(retriever, 0))]
+            for r in (retriever, SlowRetriever(retriever, 0.25), JitteryRetriever(retriever, 0))]
     (want, first), rest = runs[0], runs[1:]
     assert sum(t.num_searches for t in want) >= 6 and (first.narrowed > 0) == narrow
     for got, stats in rest:

@@ -277,7 +277,7 @@ from sem_jax.model import Qwen2Config
 from sem_jax.assemble import abstract_model
 from sem_jax.aot.programs import cost, target_devices
 from sem_jax.config import base_config
-from sem_jax.settings import load
+from sem_jax.config import load
 from sem_jax.aot.roofline import set_analysis_flags, weight_bytes, weight_shares
 from sem_jax.sharding import make_mesh, tensor_groups
 set_analysis_flags()  # CMEM staging off: the bytes counted are HBM bytes
@@ -322,7 +322,7 @@ from sem_jax.kernels.tpu_layout import lanes_swapped, sublanes_moved
 from sem_jax.assemble import abstract_model
 from sem_jax.aot.programs import cost, target_devices
 from sem_jax.config import base_config
-from sem_jax.settings import load
+from sem_jax.config import load
 from sem_jax.aot.roofline import set_analysis_flags
 from sem_jax.sharding import make_mesh, tensor_groups
 set_analysis_flags()  # CMEM staging off: the bytes counted are HBM bytes

@@ -71,9 +71,8 @@ def test_parser_invalid(text, reason):
 
 
 def test_the_prompts_worked_examples_are_valid_responses():
-    from sem_jax.assemble import settings
     from sem_jax.config import base_config
-    from sem_jax.settings import load
+    from sem_jax.config import load
     from sem_jax.protocol.sem import EXAMPLE, EXAMPLE_RESPONSES
 
     direct, searched = (parse_response(r) for _, r in EXAMPLE_RESPONSES)
@@ -81,8 +80,8 @@ def test_the_prompts_worked_examples_are_valid_responses():
     assert searched.valid and searched.first_answer == "Isambard Brunel" and searched.answer == "Edith Marrow"
     assert [q for q, _ in searched.searches] == ["Harlow Street bridge designer"]
     c = load(base_config())
-    assert EXAMPLE not in settings(c).system_prompt
-    assert settings(c.replace(prompt_example=True)).system_prompt.endswith(EXAMPLE) and EXAMPLE.count("Question: ") == 2
+    assert EXAMPLE not in c.prompt()
+    assert c.replace(prompt_example=True).prompt().endswith(EXAMPLE) and EXAMPLE.count("Question: ") == 2
 
 
 @settings(max_examples=300, deadline=None)
@@ -156,21 +155,20 @@ def test_sem_reward_order_over_every_outcome():
 
 
 def test_reward_params_that_make_a_search_free_are_refused():
-    from sem_jax.assemble import settings
     from sem_jax.config import base_config
-    from sem_jax.settings import load
-    from sem_jax.rewards.rules import check_sem_params
+    from sem_jax.config import load
 
-    check_sem_params(RP)
+    RP.check_sem()
     for bad in (dict(r_search_scale=0.9), dict(search_penalty=0.0), dict(r_search_base=1.0, r_search_scale=0.0)):
         with pytest.raises(ValueError, match="allow_free_search"):
-            check_sem_params(RewardParams(**bad))
-        check_sem_params(RewardParams(**bad, allow_free_search=True))  # an ablation, said so
-    c = load(base_config()).replace(**{"reward_params.r_search_scale": 0.9})
+            RewardParams(**bad).check_sem()
+        RewardParams(**bad, allow_free_search=True).check_sem()  # an ablation, said so
+    c = load(base_config())
+    free = {"reward_params.r_search_scale": 0.9}
     with pytest.raises(ValueError, match="can earn 1 .*not less than r_direct=1"):
-        settings(c)
-    settings(c.replace(**{"reward_params.allow_free_search": True}))
-    settings(c.replace(reward="research"))  # ReSearch's reward charges nothing for a search: no check
+        c.replace(**free)
+    c.replace(**free, **{"reward_params.allow_free_search": True})
+    c.replace(**free, reward="research")  # ReSearch's reward charges nothing for a search: no check
 
 
 def test_sem_reward_constants_are_config():

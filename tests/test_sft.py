@@ -11,7 +11,7 @@ import pytest
 from flax import nnx
 
 from sem_jax.config import cpu_config
-from sem_jax.settings import load
+from sem_jax.config import load
 from sem_jax.data.example import Example
 from sem_jax.data.questions import DEMO_DIR, load_questions
 from sem_jax.export import write_hf_dir

@@ -31,7 +31,7 @@ from absl import logging as absl_logging
 from ml_collections import config_flags
 
 from sem_jax.aot import measure, roofline
-from sem_jax.assemble import abstract_model, build_compile, inserted_tokens, model_config
+from sem_jax.assemble import abstract_model, build_compile, model_config
 from sem_jax.config import parse_flags
 from sem_jax.model import Qwen2Config
 from sem_jax.model import lora as lora_lib
@@ -43,7 +43,7 @@ from sem_jax.hosts import batch_shards, local_batch_multiple
 from sem_jax.sampling.sampler import (bucket_length, decode_loop, empty_state, insert_step, prefill_step, prompt_cache,
                                       refill_step, take_slots)
 from sem_jax.sampling.stop import trie_states
-from sem_jax.settings import Config, load
+from sem_jax.config import Config, load
 from sem_jax.sharding import match_param_shardings
 
 
@@ -84,8 +84,7 @@ def check(config: Config, topology: str | None = None, hbm_gib: float | None = N
     devices = target_devices(topology)
     hbm = hbm_per_device(devices, hbm_gib)
     run = build_compile(config, devices)
-    mesh, rollout_mesh, s, mcfg, params, trainer = (run.mesh, run.rollout_mesh, run.settings, run.model_config,
-                                                    run.params, run.trainer)
+    mesh, rollout_mesh, mcfg, params, trainer = run.mesh, run.rollout_mesh, run.model_config, run.params, run.trainer
     dtype, compute = jnp.dtype(config.model.dtype), jnp.dtype(config.model.compute_dtype)
     g = config.rollout.group_size
     rows_n = config.data.prompts_per_step * g
@@ -100,8 +99,8 @@ def check(config: Config, topology: str | None = None, hbm_gib: float | None = N
         # every search's inserted results.
         arr = rows_on(mesh)
         batch = {k: arr(shape, dt) for k, (shape, dt) in
-                 widest_batch(rows_n, config.data.max_prompt_tokens, s.sampling.response_tokens).items()}
-        ref = arr(batch["targets"].shape, jnp.float32) if s.grpo.beta > 0 else None
+                 widest_batch(rows_n, config.data.max_prompt_tokens, config.sampling().response_tokens).items()}
+        ref = arr(batch["targets"].shape, jnp.float32) if config.rl.beta > 0 else None
         out.append(_compile("grpo update", trainer.update_fn.lower(params, opt, batch, ref, base))[0])
         if ref is not None:
             lp_in = {k: batch[k] for k in LOGPROB_KEYS if k in batch}  # no packed rows in GRPO
@@ -122,11 +121,11 @@ def check(config: Config, topology: str | None = None, hbm_gib: float | None = N
             _, sampler_graph, sampler_params = abstract_model(config, mcfg, rollout_mesh,
                                                               narrower(param_dtype, compute))
             layers = sampler_layers(sampler_graph, sampler_params, devices[0].platform)
-            rows = sampler_rows(label, sampler_graph, sampler_params, layers, prompts_n, group, config, s, mcfg,
+            rows = sampler_rows(label, sampler_graph, sampler_params, layers, prompts_n, group, config, mcfg,
                                 rows_on(rollout_mesh))
             out += [dataclasses.replace(r, resident=resident) for r in rows]
             if group > 1:  # training's rollout: the continuous engine's own programs, with rollout.slots
-                out += engine_rows(sampler_graph, sampler_params, layers, prompts_n, group, config, s, mcfg,
+                out += engine_rows(sampler_graph, sampler_params, layers, prompts_n, group, config, mcfg,
                                    rollout_mesh, resident)
     return out, hbm
 
@@ -143,19 +142,19 @@ class _SamplerShapes:
     table: jax.ShapeDtypeStruct
 
     @classmethod
-    def of(cls, config: Config, s, mcfg: Qwen2Config) -> "_SamplerShapes":
-        return cls(prompt=bucket_length(config.data.max_prompt_tokens), resp=s.sampling.response_tokens,
+    def of(cls, config: Config, mcfg: Qwen2Config) -> "_SamplerShapes":
+        return cls(prompt=bucket_length(config.data.max_prompt_tokens), resp=config.sampling().response_tokens,
                    compute=jnp.dtype(config.model.compute_dtype),
-                   insert=bucket_length(inserted_tokens(config)[0], minimum=8),
+                   insert=bucket_length(config.inserted_tokens()[0], minimum=8),
                    key=jax.eval_shape(lambda: jax.random.key(0)),
-                   table=jax.ShapeDtypeStruct((mcfg.vocab_size, trie_states(s.protocol.stop_strings)), jnp.int32))
+                   table=jax.ShapeDtypeStruct((mcfg.vocab_size, trie_states(config.chat_protocol().stop_strings)), jnp.int32))
 
 
-def sampler_rows(label: str, graphdef, params, layers, prompts_n: int, group: int, config: Config, s,
+def sampler_rows(label: str, graphdef, params, layers, prompts_n: int, group: int, config: Config,
                  mcfg: Qwen2Config, arr) -> list[Row]:
     """The sampler's prefill, decode loop and (with searches) insert for `prompts_n` prompts x
     `group` rows each, with its per-layer weights `layers` (`sampler_layers`) or the layer scan."""
-    sh = _SamplerShapes.of(config, s, mcfg)
+    sh = _SamplerShapes.of(config, mcfg)
     tp, resp, compute, key, table, wi = sh.prompt, sh.resp, sh.compute, sh.key, sh.table, sh.insert
     static = dict(group_size=group, cache_len=tp + resp, resp_len=resp, cache_dtype=compute)
     prompts, lengths = arr((prompts_n, tp), jnp.int32), arr((prompts_n,), jnp.int32)
@@ -167,7 +166,7 @@ def sampler_rows(label: str, graphdef, params, layers, prompts_n: int, group: in
                                      lengths, key), prefill.output_shardings)
     rows = [row, _compile(f"{label} decode loop", decode_loop.lower(
         graphdef, params, layers, state, table, jax.ShapeDtypeStruct((2,), jnp.int32),
-        jax.ShapeDtypeStruct((), jnp.int32), cfg=s.sampling, window=tp + resp))[0]]
+        jax.ShapeDtypeStruct((), jnp.int32), cfg=config.sampling(), window=tp + resp))[0]]
     if config.rollout.max_searches:  # a search's results, the widest block, into the full cache
         b = prompts_n * group
         rows.append(_compile(f"{label} insert ({wi} tokens)", insert_step.lower(
@@ -176,7 +175,7 @@ def sampler_rows(label: str, graphdef, params, layers, prompts_n: int, group: in
     return rows
 
 
-def engine_rows(graphdef, params, layers, prompts_n: int, group: int, config: Config, s, mcfg: Qwen2Config,
+def engine_rows(graphdef, params, layers, prompts_n: int, group: int, config: Config, mcfg: Qwen2Config,
                 mesh, resident: int) -> list[Row]:
     """With rollout.slots under the step's rows: the programs the continuous engine runs besides
     `sampler_rows`' prefill (`sampling/rollout.py`): the prompt cache (held through the rollout,
@@ -188,7 +187,7 @@ def engine_rows(graphdef, params, layers, prompts_n: int, group: int, config: Co
         return []
     width = -(-config.rollout.slots // multiple) * multiple  # as `Engine.run` rounds it
     arr = rows_on(mesh)
-    sh = _SamplerShapes.of(config, s, mcfg)
+    sh = _SamplerShapes.of(config, mcfg)
     tp, resp, compute, key, table, wi = sh.prompt, sh.resp, sh.compute, sh.key, sh.table, sh.insert
     per = -(-prompts_n // multiple) * multiple  # `Sampler.prefill_prompts` pads the prompts so
     prompts, lengths = arr((per, tp), jnp.int32), arr((per,), jnp.int32)
@@ -209,7 +208,7 @@ def engine_rows(graphdef, params, layers, prompts_n: int, group: int, config: Co
     scalar = jax.ShapeDtypeStruct((), jnp.int32)
     out.append(_compile(f"{label}: decode loop", decode_loop.lower(
         graphdef, params, layers, state, table, jax.ShapeDtypeStruct((2,), jnp.int32), scalar, None,
-        jax.ShapeDtypeStruct((2,), jnp.int32), cfg=s.sampling, window=tp + resp))[0])
+        jax.ShapeDtypeStruct((2,), jnp.int32), cfg=config.sampling(), window=tp + resp))[0])
     admit = (*prompt_kv, arr((width,), jnp.int32), arr((width,), jnp.int32))
     out.append(_compile(f"{label}: refill ({wi} tokens, admissions)", refill_step.lower(
         graphdef, params, layers, state, None, arr((width, wi), jnp.int32), arr((width,), jnp.int32),

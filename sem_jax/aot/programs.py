@@ -19,7 +19,7 @@ from sem_jax.aot.collectives import ici_bytes
 from sem_jax.kernels import flash_attention
 from sem_jax.kernels.dispatch import per_layer_default
 from sem_jax.sampling.sampler import layer_list
-from sem_jax.settings import Config
+from sem_jax.config import Config
 from sem_jax.sharding import batch_sharding
 
 # HBM per device as the TPU compiler sees a compile-only topology device: one TensorCore.

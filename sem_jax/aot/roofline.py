@@ -53,8 +53,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from sem_jax.assemble import (CompileRun, Settings, abstract_model, build_compile, build_trainer, inserted_tokens,
-                              micro_batch)
+from sem_jax.assemble import CompileRun, abstract_model, build_compile, build_trainer, micro_batch
 from sem_jax.hosts import batch_shards
 from sem_jax.errors import Refused
 from sem_jax.aot.programs import (Filled, Program, cost, device_bytes, narrower, placed, rows_on, sampler_layers,
@@ -63,9 +62,10 @@ from sem_jax.model import Qwen2Config, param_shapes
 from sem_jax.rl.loss import head_chunk
 from sem_jax.rl.batch import widest_batch
 from sem_jax.rl.trainer import LOGPROB_KEYS
-from sem_jax.sampling.sampler import bucket_length, decode_loop, decode_step, insert_step, prefill_step
+from sem_jax.sampling.sampler import (SamplingConfig, bucket_length, decode_loop, decode_step, insert_step,
+                                     prefill_step)
 from sem_jax.sampling.stop import trie_states
-from sem_jax.settings import Config
+from sem_jax.config import Config
 from sem_jax.sharding import match_param_shardings
 
 
@@ -252,7 +252,7 @@ MEASURED_STEPS = 32
 class _Step:
     """A step's shapes, as the roofline counts them."""
     config: Config
-    settings: Settings
+    sampling: SamplingConfig  # training's (no tokenizer: no end ids)
     mcfg: Qwen2Config
     devices: int
     dtype: jnp.dtype    # training's
@@ -283,13 +283,12 @@ def analyse(config: Config, devices: list) -> tuple[list[Call], dict, dict[str, 
     mcfg = run.model_config
     if mcfg.num_layers < 2:
         raise ValueError("the roofline counts one layer as the difference of two compiles: it needs >= 2 layers")
-    s = run.settings
-    resp = s.sampling.response_tokens
-    step = _Step(config=config, settings=s, mcfg=mcfg, devices=len(devices), dtype=jnp.dtype(config.model.dtype),
+    sampling = config.sampling()
+    step = _Step(config=config, sampling=sampling, mcfg=mcfg, devices=len(devices), dtype=jnp.dtype(config.model.dtype),
                  compute=jnp.dtype(config.model.compute_dtype), prompts=config.data.prompts_per_step,
                  rows=config.data.prompts_per_step * config.rollout.group_size,
-                 prompt=bucket_length(config.data.max_prompt_tokens), response=resp,
-                 insert=bucket_length(inserted_tokens(config)[0], minimum=8), micro=micro_batch(config))
+                 prompt=bucket_length(config.data.max_prompt_tokens), response=sampling.response_tokens,
+                 insert=bucket_length(config.inserted_tokens()[0], minimum=8), micro=micro_batch(config))
     calls: list[Call] = []
     programs: dict[str, Program] = {}
     decode, sampler_state, sampler_params, few = _sampler_calls(step, run, devices, calls, programs)
@@ -302,7 +301,7 @@ def analyse(config: Config, devices: list) -> tuple[list[Call], dict, dict[str, 
     resident = trainer_bytes(params, opt, config)  # held while the sampler runs
     shapes = dict(devices=n, device_kind=devices[0].device_kind, rollout_mesh=dict(run.rollout_mesh.shape), rows=rows,
                   rows_per_group=per_group, group_devices=n // shards,  # a data group: the devices sharing rows
-                  prompt=step.prompt, response=resp, window=window, micro_batch=step.micro,
+                  prompt=step.prompt, response=step.response, window=window, micro_batch=step.micro,
                   micro_batches=rows // step.micro, share=share, inputs=t, head_positions=w, insert=step.insert,
                   resident=resident,
                   # what a decode step must read in this layout: each device's share of the
@@ -320,7 +319,7 @@ def _sampler_calls(step: _Step, run: CompileRun, devices: list, calls: list[Call
     """The rollout's calls (prefill, decode, insert) on the sampler's mesh, counted and measured;
     returns the compiled decode step, the sampler's state and weights, and the decode step's bytes
     at 2 and 4 layers."""
-    config, s, mcfg, n, item = step.config, step.settings, step.mcfg, step.devices, step.item
+    config, sampling, mcfg, n, item = step.config, step.sampling, step.mcfg, step.devices, step.item
     rollout_mesh, L = run.rollout_mesh, mcfg.num_layers
     g, p, rows, tp, resp, window, wi = (config.rollout.group_size, step.prompts, step.rows, step.prompt,
                                         step.response, step.window, step.insert)
@@ -355,11 +354,11 @@ def _sampler_calls(step: _Step, run: CompileRun, devices: list, calls: list[Call
             jax.eval_shape(lambda *a: prefill_step(graphs[1], *a, **static), sampler_params, None, prompts, lengths,
                            key),
             prefill.output_shardings)
-        table = jax.ShapeDtypeStruct((mcfg.vocab_size, trie_states(s.protocol.stop_strings)), jnp.int32)
+        table = jax.ShapeDtypeStruct((mcfg.vocab_size, trie_states(config.chat_protocol().stop_strings)), jnp.int32)
         eos = jax.ShapeDtypeStruct((2,), jnp.int32)
-        decode = decode_steps.lower(graphs[1], sampler_params, sampler_state, table, eos, cfg=s.sampling,
+        decode = decode_steps.lower(graphs[1], sampler_params, sampler_state, table, eos, cfg=sampling,
                                     window=window, steps=1).compile()
-        counts = decode_count(graphs[L], sampler_params, sampler_state, table, eos, s.sampling, window)
+        counts = decode_count(graphs[L], sampler_params, sampler_state, table, eos, sampling, window)
         # The same step with 2 and 4 layers: what one layer and the rest (the head, sampling) read.
         few, kv = {}, sampler_state.cache
         for layers in (2, 4):
@@ -367,17 +366,17 @@ def _sampler_calls(step: _Step, run: CompileRun, devices: list, calls: list[Call
             _, small_graph, weights = abstract_model(config, small, rollout_mesh, sampler_dtype, scan_unroll=layers)
             stacked = lambda x: jax.ShapeDtypeStruct((layers, *x.shape[1:]), x.dtype, sharding=x.sharding)
             state = dataclasses.replace(sampler_state, cache=dataclasses.replace(kv, k=stacked(kv.k), v=stacked(kv.v)))
-            few[layers] = decode_count(small_graph, weights, state, table, eos, s.sampling, window)["bytes"]
-        calls.append(Call(f"decode step (window {window})", s.sampling.max_new_tokens, **counts,
+            few[layers] = decode_count(small_graph, weights, state, table, eos, sampling, window)["bytes"]
+        calls.append(Call(f"decode step (window {window})", sampling.max_new_tokens, **counts,
                           ideal_flops=forward_flops(mcfg, rows, 1, window, rows) / n,
                           ideal_bytes=(weight_bytes(mcfg, item) + kv_bytes(mcfg, rows, window, item)) / n))
         # The sampler's own decode loop: no row stops (the stop table's codes 0, no EOS id).
-        steps = min(MEASURED_STEPS, s.sampling.max_new_tokens)
+        steps = min(MEASURED_STEPS, sampling.max_new_tokens)
         ran = lambda out: None if int(out[1][0]) == steps else f"the decode loop ran {int(out[1][0])} of {steps} steps"
         programs[calls[-1].name] = Program(
             decode_loop, (graphs[1], sampler_params, copies, None, Filled(table, 0), Filled(eos, -1),
                           Filled(jax.ShapeDtypeStruct((), jnp.int32), steps)),
-            dict(cfg=s.sampling, window=window), rollout_mesh, state_from={3: "prefill"}, donated=(3,),
+            dict(cfg=sampling, window=window), rollout_mesh, state_from={3: "prefill"}, donated=(3,),
             steps=steps, check=ran)
         if config.rollout.max_searches:
             ids, nn, end = arr((rows, wi), jnp.int32), arr((rows,), jnp.int32), arr((rows,), jnp.bool_)
@@ -396,13 +395,13 @@ def _trainer_calls(step: _Step, run: CompileRun, calls: list[Call], programs: di
     """The update's calls (the reference pass, the update) on the training mesh, counted and
     measured; returns the parameters, the optimizer state, the shared-prompt group, and the
     batch's input and head widths."""
-    config, s, mcfg, n, item, micro = step.config, step.settings, step.mcfg, step.devices, step.item, step.micro
+    config, mcfg, n, item, micro = step.config, step.mcfg, step.devices, step.item, step.micro
     mesh, L, resp, steps_m = run.mesh, mcfg.num_layers, step.response, step.rows // step.micro
     models = {1: run.model, 2: abstract_model(config, mcfg, mesh, step.dtype, scan_unroll=2)[0]}
     params = run.params
     arr = rows_on(mesh)
     with jax.set_mesh(mesh):
-        trainers = {(1, 1): run.trainer, **{(u, h): build_trainer(config, models[u], s, mesh, per_layer=False,
+        trainers = {(1, 1): run.trainer, **{(u, h): build_trainer(config, models[u], mesh, per_layer=False,
                                                                   unroll_head=h) for u, h in ((2, 1), (1, 2))}}
         share = trainers[1, 1].share
         opt_shapes = jax.eval_shape(trainers[1, 1].tx.init, params)
@@ -414,7 +413,7 @@ def _trainer_calls(step: _Step, run: CompileRun, calls: list[Call], programs: di
         parts = training_parts(mcfg, micro, t, w, share)
         start = Filled(batch["start"], t - w)  # each row's response window ends its inputs
         fwd = sum(parts)
-        ref = arr((micro, w), jnp.float32) if s.grpo.beta > 0 else None
+        ref = arr((micro, w), jnp.float32) if config.rl.beta > 0 else None
         if ref is not None:
             lp_in = {k: batch[k] for k in LOGPROB_KEYS if k in batch}
             ref_params = abstract_model(config, mcfg, mesh, narrower(step.dtype, step.compute))[2]  # train.reference_weights

@@ -8,11 +8,11 @@ import jax
 from jax.experimental import multihost_utils
 
 from sem_jax.assemble import build_policy, build_retriever
-from sem_jax.demo.config import training_config
+from sem_jax.config import training_config
 from sem_jax.demo.warm_start import warm_start
 from sem_jax.demo.world import build_world, summarize, texts, use_world_files, world_config
 from sem_jax.model import save_pretrained
-from sem_jax.settings import Config
+from sem_jax.config import Config
 
 
 def prepare(config: Config) -> Config:

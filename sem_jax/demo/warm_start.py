@@ -10,7 +10,7 @@ from sem_jax.demo.world import World, warm_start_pairs
 from sem_jax.model.qwen2 import Qwen2
 from sem_jax import sft
 from sem_jax.sft import copy_pairs
-from sem_jax.settings import Config
+from sem_jax.config import Config
 
 
 def warm_start(config: Config, model: Qwen2, tokenizer, retriever, world: World) -> Qwen2:

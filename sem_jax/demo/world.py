@@ -33,8 +33,8 @@ from sem_jax.data.example import Example
 from sem_jax.data.questions import question_row
 from sem_jax.protocol import SEM
 from sem_jax.protocol.sem import direct_trace, result_text, search_call
-from sem_jax.settings import Config
-from sem_jax.settings import World as WorldSettings
+from sem_jax.config import Config
+from sem_jax.config import World as WorldSettings
 
 _ONSETS = ["b", "d", "f", "g", "k", "l", "m", "n", "p", "r", "s", "t", "v", "z", "br", "dr", "kr", "st", "tr"]
 _VOWELS = ["a", "e", "i", "o", "u"]
@@ -56,7 +56,7 @@ THINK_FIRST, THINK_AFTER = "ok", "found"  # what the traces think before each an
 
 @dataclasses.dataclass(frozen=True)
 class WorldConfig(WorldSettings):
-    """A world's settings (`sem_jax.settings.World`, the demo config's `world`) and its seed."""
+    """A world's settings (`sem_jax.config.World`, the demo config's `world`) and its seed."""
     seed: int = 0
 
 

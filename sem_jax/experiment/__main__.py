@@ -16,7 +16,7 @@ from ml_collections import config_flags
 from sem_jax.config import parse_flags
 from sem_jax.errors import exit_on_error
 from sem_jax.experiment.pipeline import run_experiment
-from sem_jax.settings import load
+from sem_jax.config import load
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config file (configs/real_experiment.py).",
                                           lock_config=True)

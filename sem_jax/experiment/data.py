@@ -15,7 +15,7 @@ from sem_jax.data.mix import sem_mix, stratified_sample
 from sem_jax.data.questions import question_row
 from sem_jax.data.sources import load_source
 from sem_jax.experiment.world import build_multihop_world
-from sem_jax.settings import Experiment
+from sem_jax.config import Experiment
 
 FETCH = "python scripts/fetch_real_data.py --out {dir}"
 # Data set name -> file under OUT/data: what the evaluation reads, beside train.jsonl and eval.jsonl.

@@ -39,7 +39,7 @@ from sem_jax.errors import Refused, read_json
 from sem_jax.experiment.data import EVAL_SETS, prepare_data, real_file, write_jsonl
 from sem_jax.experiment.report import write_report
 from sem_jax.rewards.answers import score_answer
-from sem_jax.settings import Config, changed_fields
+from sem_jax.config import Config, changed_fields
 from sem_jax.sft import finetune
 from sem_jax.train import train
 
@@ -91,9 +91,9 @@ def _evaluate(config: Config, out: str, files: dict[str, str], modes: list[str],
 
 
 def _score(run, data: dict, modes: list[str], out: str) -> None:
-    s = run.settings
-    evaluate_modes(run.greedy, run.tokenizer, run.retriever, data, modes, s.rollout, batch_size=run.eval_batch,
-                   out_dir=out, system_prompt=s.system_prompt, protocol=s.protocol, mesh=run.mesh)
+    c = run.config
+    evaluate_modes(run.greedy, run.tokenizer, run.retriever, data, modes, c.engine(), batch_size=run.eval_batch,
+                   out_dir=out, system_prompt=c.prompt(), protocol=c.chat_protocol(), mesh=run.mesh)
 
 
 def known_file(out: str) -> str:
@@ -116,7 +116,7 @@ def known_stage(config: Config, out: str, files: dict[str, str], seed: int) -> N
     with open(os.path.join(where, "predictions_policy_mmlu_train.jsonl")) as fh:
         for line in fh:
             r = json.loads(line)
-            first = run.settings.protocol.parse(r["response"], r["end_reason"] == "eos").first_answer
+            first = config.chat_protocol().parse(r["response"], r["end_reason"] == "eos").first_answer
             if score_answer(first, by_id[r["id"]])[0] == 1.0:
                 right.append(by_id[r["id"]])
     if not right:

@@ -16,7 +16,7 @@ import jax
 
 from sem_jax.errors import exit_on_error, read_json
 from sem_jax.experiment.pipeline import STAGES, run_stage
-from sem_jax.settings import load
+from sem_jax.config import load
 
 
 def main(argv: list[str]) -> None:

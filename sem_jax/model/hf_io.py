@@ -19,7 +19,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, SingleDeviceSharding
 
-from sem_jax.model.config import Qwen2Config
+from sem_jax.model.architecture import Qwen2Config
 from sem_jax.model.qwen2 import Qwen2, param_shapes
 from sem_jax.model.safetensors_io import SafetensorsFile, write_safetensors
 from sem_jax.sharding import named_sharding

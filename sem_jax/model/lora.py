@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from sem_jax.errors import Refused
-from sem_jax.model.config import Qwen2Config
+from sem_jax.model.architecture import Qwen2Config
 
 # Target name -> (the stacked kernel it adapts, the HF module it is in PEFT's names).
 TARGETS = {
@@ -63,7 +63,7 @@ class LoraSpec:
 
 
 def spec_of(lora: Any, cfg: Qwen2Config) -> LoraSpec | None:
-    """The spec of the config's `lora` section (`sem_jax.settings.Lora`) for model `cfg`; None
+    """The spec of the config's `lora` section (`sem_jax.config.Lora`) for model `cfg`; None
     when `lora.rank` is 0 (a full fine-tune)."""
     if not lora.rank:
         return None

@@ -1,7 +1,7 @@
 """Architectures of the Qwen2.5 and Qwen3 checkpoints the configs name, so that compile-only checks
 (`sem_jax.aot`) need no weights. Values from the models' config.json files."""
 
-from sem_jax.model.config import Qwen2Config
+from sem_jax.model.architecture import Qwen2Config
 
 _COMMON = dict(rope_theta=1_000_000.0, rms_norm_eps=1e-6, bos_token_id=151643, eos_token_id=151645)
 

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from sem_jax.kernels import cache_attention, dispatch, flash_attention, head_sampling, qkv, spread_mlp
-from sem_jax.model.config import Qwen2Config
+from sem_jax.model.architecture import Qwen2Config
 from sem_jax.sharding import constrain, logical_to_spec, shards
 
 # Layer parameter name -> (logical axes, initialiser kind).

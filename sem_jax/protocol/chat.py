@@ -34,7 +34,7 @@ def chat_prompt(ex: Example, system_prompt: str) -> str:
 
 # A block over its budget has its passages' titles cut to this many tokens first: with its marks
 # ("(1) ", ": ", " ...", the line break) a cut title fits the per-passage room the buffers give
-# beside the text's budget (assemble.PASSAGE_EXTRA_TOKENS).
+# beside the text's budget (config.PASSAGE_EXTRA_TOKENS).
 TITLE_TOKENS = 8
 
 

@@ -6,21 +6,10 @@ from __future__ import annotations
 from sem_jax.data.example import Example
 from sem_jax.protocol.sem import Parsed  # research_reward reads only .valid and .answer (any protocol's)
 from sem_jax.rewards.answers import score_answer
-from sem_jax.settings import RewardParams  # the constants, each a config field (reward_params)
+from sem_jax.config import RewardParams  # the constants, each a config field (reward_params)
 
 CASES = ("invalid", "direct_correct", "direct_wrong", "redundant_search", "search_after_wrong",
          "research_correct", "research_wrong")
-
-
-def check_sem_params(rp: RewardParams) -> None:
-    """Refuse constants under which a searched answer ties or beats a correct direct one."""
-    if rp.allow_free_search or rp.best_searched() < rp.r_direct:
-        return
-    raise ValueError(
-        f"reward_params: a trajectory that searched can earn {rp.best_searched():.3g} "
-        f"(max(r_direct - search_penalty, r_search_base + r_search_scale)), not less than r_direct={rp.r_direct:.3g}; "
-        "a throwaway first answer would then buy a free search. Lower r_search_base + r_search_scale or raise "
-        "search_penalty, or set reward_params.allow_free_search=True for an ablation")
 
 
 def sem_reward(p: Parsed, ex: Example, rp: RewardParams) -> tuple[float, str]:

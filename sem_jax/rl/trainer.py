@@ -110,7 +110,7 @@ class Trainer:
         self.lora = lora
         self.unroll_head = unroll_head  # see token_logprobs: for XLA's cost analysis only
         self.graphdef, _ = nnx.split(model)
-        self.grpo, self.micro_batch, self.chunk = grpo, micro_batch, logprob_chunk
+        self.grpo, self.optim, self.micro_batch, self.chunk = grpo, optim, micro_batch, logprob_chunk
         self.share = math.gcd(micro_batch // shards, group_size) if micro_batch % shards == 0 else 1
         self.per_layer = per_layer_default() if per_layer is None else per_layer
         self.tx = make_optimizer(optim)

@@ -32,7 +32,7 @@ Glossary:
   hold slots fit in half of it (they move to the first slots, their cache lines with them), so a
   step's tail decodes its last rows, not its empty slots. The widths follow the schedule, so a narrowed
   step replays bit for bit too; its tail's rows decode at other widths than the rest and round
-  differently, so it is off by default (see `sem_jax.settings`).
+  differently, so it is off by default (see `sem_jax.config`).
 - **lockstep** (`lockstep=True`): the same engine with barriers. Decoding runs until no row is active,
   the paused rows' queries go to the retriever together and are waited for, and rows are admitted
   only when every slot is free (with slots = rows: one static batch, as a lockstep sampler runs it).
@@ -61,7 +61,7 @@ from sem_jax.sampling.sampler import Sampler, bucket_length
 
 @dataclasses.dataclass(frozen=True)
 class RolloutConfig:
-    """Built from a config by `sem_jax.assemble.settings` (the config holds the defaults)."""
+    """Built from a config by `Config.engine` (the config holds the defaults)."""
     group_size: int                # G trajectories per prompt
     max_searches: int              # searches answered per trajectory; then the protocol's limit note once
     top_k: int                     # passages per search

@@ -3,7 +3,10 @@
 The user's interface stays ml_collections: `configs/*.py` start from `sem_jax.config.base_config()`
 (made here from the defaults below) and `--config.x=y` overrides it. `load(config)` turns that
 ConfigDict into a `Config` once, refusing an unknown field, a value of the wrong type or out of
-its range in one line naming the field; every module reads the typed `Config`, none a ConfigDict.
+its range in one line naming the field, and a combination of fields that cannot work together
+(checked beside the fields, in `__post_init__`); every module reads the typed `Config`, none a
+ConfigDict. The sections build the runtime's objects they describe (`Config.sampling`,
+`Config.engine`, `Config.grpo`, `Optim.build`, `Mesh.build`): there is no second layer.
 """
 
 from __future__ import annotations
@@ -21,8 +24,20 @@ from ml_collections import ConfigDict, config_dict
 
 from sem_jax.data.questions import DEMO_DIR
 from sem_jax.errors import Refused
+from sem_jax.protocol import Protocol, get_protocol
+from sem_jax.rl.loss import GRPOConfig
+from sem_jax.rl.trainer import OptimConfig
+from sem_jax.sampling.rollout import RolloutConfig
+from sem_jax.sampling.sampler import SamplingConfig
+from sem_jax.sharding import make_mesh
 
 BIG = 1 << 30  # an open upper end
+
+# Inserted tokens are bounded per search, so that buffers are sized from the config alone:
+PASSAGE_EXTRA_TOKENS = 16   # per passage beyond its text's budget: its title, cut (chat.TITLE_TOKENS)
+                            # where a block is over budget, and marks ("(i) ", ": ", " ...", newline)
+BLOCK_EXTRA_TOKENS = 16     # per result block beyond its passages: the tags
+NOTE_TOKENS = 32            # the search-limit note
 
 
 class ConfigError(Refused, ValueError):
@@ -82,6 +97,10 @@ class Mesh:
     data: int = setting(1, low=-1, high=BIG)
     fsdp: int = setting(-1, low=-1, high=BIG)   # -1: all remaining devices
     tensor: int = setting(1, low=-1, high=BIG)
+
+    def build(self, devices: typing.Sequence | None = None) -> Any:
+        """The training mesh over `devices` (default: all)."""
+        return make_mesh(self.data, self.fsdp, self.tensor, devices=devices)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -145,11 +164,19 @@ class Rollout:
     # A retriever call not back this many seconds after its answer is due fails the rollout, naming it.
     retrieval_timeout_s: float = setting(300.0, low=0.0, high=BIG, ends="()")
 
+    def __post_init__(self):
+        if self.narrow and self.lockstep:
+            raise ConfigError("rollout.narrow narrows the continuous engine's batch; rollout.lockstep keeps its batch "
+                              "(today's static rollout): set one of them")
+        if self.spread and not self.tensor:
+            raise ConfigError("rollout.spread splits the MLP and LM head over rollout.tensor's groups: set "
+                              "rollout.tensor too")
+
 
 @dataclasses.dataclass(frozen=True)
 class RewardParams:
     """The reward constants. The paper's are not public; these defaults are this project's choice,
-    under one rule that `check_sem_params` enforces: every trajectory that searched earns less than
+    under one rule that `check_sem` enforces: every trajectory that searched earns less than
     a correct direct answer (by 0.2 at the defaults), or a policy could write a throwaway first
     answer and search for free on questions it knows."""
     r_direct: float = 1.0           # first answer correct, no search
@@ -165,6 +192,16 @@ class RewardParams:
     def best_searched(self) -> float:
         """The most any trajectory with a search can earn under the SEM reward (F1 in [0, 1])."""
         return max(self.r_direct - self.search_penalty, self.r_search_base + max(self.r_search_scale, 0.0))
+
+    def check_sem(self) -> None:
+        """Refuse constants under which a searched answer ties or beats a correct direct one."""
+        if self.allow_free_search or self.best_searched() < self.r_direct:
+            return
+        raise ConfigError(
+            f"reward_params: a trajectory that searched can earn {self.best_searched():.3g} (max(r_direct - "
+            f"search_penalty, r_search_base + r_search_scale)), not less than r_direct={self.r_direct:.3g}; a throwaway "
+            "first answer would then buy a free search. Lower r_search_base + r_search_scale or raise "
+            "search_penalty, or set reward_params.allow_free_search=True for an ablation")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -191,6 +228,10 @@ class Optim:
     grad_clip: float = setting(1.0, **RATE)
     warmup_steps: int = setting(0, **COUNT)
     schedule: str = setting("constant", choices=("constant", "cosine"))
+
+    def build(self, total_steps: int) -> OptimConfig:
+        """The trainer's optimizer over `total_steps` updates (a cosine schedule ends there)."""
+        return OptimConfig(total_steps=total_steps, **dataclasses.asdict(self))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -318,6 +359,60 @@ class Config:
     warm_start: WarmStart | None = None
     # The experiment's section (configs/real_experiment.py); None in every other config.
     experiment: Experiment | None = None
+
+    def __post_init__(self):
+        reward = self.reward_name()
+        if reward == "sem" and self.protocol != "sem":
+            raise ConfigError(f"reward='sem' reads SEM's first and final answers; protocol={self.protocol!r} gives one "
+                              "answer (leave reward unset for the protocol's own)")
+        if reward == "sem":
+            self.reward_params.check_sem()
+
+    # -- what the sections build ------------------------------------------------------------
+
+    def chat_protocol(self) -> Protocol:
+        """The protocol `protocol` names: prompts, parser, result blocks (sem_jax/protocol/)."""
+        return get_protocol(self.protocol)
+
+    def reward_name(self) -> str:
+        """`reward`, or the protocol's own."""
+        return self.reward or self.chat_protocol().reward
+
+    def prompt(self) -> str:
+        """The policy's system prompt: `system_prompt`, or the protocol's; with `prompt_example`, the
+        protocol's worked example after it."""
+        protocol = self.chat_protocol()
+        return (self.system_prompt or protocol.system_prompt) + (protocol.example if self.prompt_example else "")
+
+    def inserted_tokens(self) -> tuple[int, int]:
+        """(one search's block at most, all inserted tokens of a response at most): max_searches
+        blocks of top_k passages, and the limit note once."""
+        r = self.retrieval
+        block = r.top_k * (r.max_tokens_per_passage + PASSAGE_EXTRA_TOKENS) + BLOCK_EXTRA_TOKENS
+        return block, self.rollout.max_searches * block + NOTE_TOKENS
+
+    def sampling(self, eos_ids: tuple[int, ...] = (), greedy: bool = False) -> SamplingConfig:
+        """The sampler's: training's draws (temperature, top-p, top-k), or `greedy` (evaluation) with
+        the same budget; `eos_ids` end a response (`assemble.stop_ids`)."""
+        r = self.rollout
+        draws = dict(greedy=True) if greedy else dict(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k)
+        return SamplingConfig(max_new_tokens=r.max_new_tokens, eos_ids=tuple(eos_ids),
+                              max_inserted_tokens=self.inserted_tokens()[1], **draws)
+
+    def engine(self) -> RolloutConfig:
+        """The rollout engine's: its rows, searches, slots and retriever calls."""
+        r = self.rollout
+        return RolloutConfig(group_size=r.group_size, max_searches=r.max_searches, top_k=self.retrieval.top_k,
+                             max_tokens_per_passage=self.retrieval.max_tokens_per_passage,
+                             max_block_tokens=self.inserted_tokens()[0], max_note_tokens=NOTE_TOKENS, slots=r.slots,
+                             chunk_steps=r.chunk_steps, lockstep=r.lockstep, narrow=r.narrow,
+                             retrieval_threads=r.retrieval_threads, retrieval_timeout_s=r.retrieval_timeout_s)
+
+    def grpo(self) -> GRPOConfig:
+        """The GRPO loss's: clipping, KL, aggregation (Dr. GRPO normalises by the sampled budget)."""
+        rl = self.rl
+        return GRPOConfig(beta=rl.beta, clip_eps=rl.clip_eps, clip_eps_high=rl.clip_eps_high, loss_agg=rl.loss_agg,
+                          dr_grpo_length=self.rollout.max_new_tokens)
 
     def replace(self, **dotted: Any) -> "Config":
         """A copy with fields changed by dotted name (`replace(**{"model.path": d})`), checked as
