@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import textwrap
 
 import jax
 import jax.numpy as jnp
@@ -369,3 +370,96 @@ def test_the_residuals_the_update_starts_from_equal_a_fresh_forward(qwen25_token
 def _adapters_for(spec, cfg):
     ad = lora.init_adapters(spec, cfg, 1)
     return jax.tree.map(lambda x: x + 0.05 * jax.random.normal(jax.random.key(9), x.shape), ad)
+
+
+_TWO_LORA = textwrap.dedent("""
+    import math, sys
+    import jax
+    if sys.argv[2] != "single":
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        jax.distributed.initialize(coordinator_address=sys.argv[1], num_processes=2, process_id=int(sys.argv[2]))
+    import jax.numpy as jnp, numpy as np
+    from flax import nnx
+    sys.path.insert(0, "tests")
+    from policies import random_qwen2
+    from sem_jax import hosts
+    from sem_jax.model import Qwen2Config, lora
+    from sem_jax.rl.batch import batch_width, build_batch, response_width
+    from sem_jax.rl.loss import GRPOConfig
+    from sem_jax.rl.trainer import OptimConfig, Trainer
+    from sem_jax.sampling import Trajectory
+    from sem_jax.sharding import make_mesh, replicate, shard_params
+    V, G, ROWS = 256, 2, 8
+    cfg = Qwen2Config(vocab_size=V, hidden_size=32, intermediate_size=64, num_layers=3, num_heads=4, num_kv_heads=2)
+    model = random_qwen2(3, cfg, scale=0.2)
+    spec = lora.LoraSpec(rank=2, alpha=4.0, targets=("q", "v", "down"), first=1, num_layers=3)
+    mesh = make_mesh(fsdp=-1)  # 4 devices: 2 a process, or the one process's 4
+    resid = jax.jit(lambda ids: model.hidden_states(ids, cache=model.init_cache(1, ids.shape[1], per_layer=True,
+                                                                                resid_layer=spec.first),
+                                                    layers=model.layer_list())[1].resid)
+    WIDE = 24  # every row's ids padded to one width (one compile): causal, so a prefix's residuals are its own
+    rng = np.random.RandomState(0)
+    trajs = []
+    for q in range(ROWS // G):
+        prompt = rng.randint(0, V, 5 + q).tolist()
+        for _ in range(G):
+            resp = rng.randint(0, V, rng.randint(3, 9))
+            ids = prompt + resp.tolist()[:-1]
+            wide = np.zeros((1, WIDE), np.int32)
+            wide[0, :len(ids)] = ids
+            trajs.append(Trajectory(q, prompt, resp, np.ones(len(resp), np.int8),
+                                    np.full(len(resp), -math.log(V), np.float32), 0, [], "", "length",
+                                    resid=np.asarray(resid(jnp.asarray(wide)))[0, :len(ids)]))
+    adv = rng.randn(ROWS).astype(np.float32)
+    n, pid = jax.process_count(), jax.process_index()
+    mine = slice(pid * ROWS // n, (pid + 1) * ROWS // n)  # each process its half of the groups, as training
+    trainer = Trainer(model, GRPOConfig(beta=0.0), OptimConfig(lr=1e-2, weight_decay=0.0), micro_batch=4,
+                      per_layer=True, group_size=G, shards=hosts.batch_shards(mesh), lora=spec)
+    width, response = (hosts.agree_max(f(trajs[mine])) for f in (batch_width, response_width))
+    rows = int(np.lcm.reduce([trainer.micro_batch // n, hosts.local_batch_multiple(mesh), trainer.share]))
+    host = build_batch(trajs[mine], adv[mine], micro_batch=rows, width=width, response=response, group_size=G)
+    assert "resid" in host
+    with jax.set_mesh(mesh):
+        batch = {k: hosts.to_global(v, mesh) for k, v in host.items()}
+        base = shard_params(nnx.split(model)[1], mesh)
+        params = replicate(lora.init_adapters(spec, cfg, 0), mesh)
+        opt = trainer.init_opt_state(params)
+        for _ in range(2):  # the first step moves B alone (it starts at 0), the second A too
+            params, opt, m = trainer.update(params, opt, batch, None, base=base)
+    flat = {f"{t}.{k}": np.asarray(v.addressable_data(0)) for t, ab in params.items() for k, v in ab.items()}
+    if pid == 0:
+        np.savez(sys.argv[3], loss=float(m["loss"]), grad_norm=float(m["grad_norm"]), **flat)
+    print("ok", pid)
+""")
+
+
+def test_two_processes_update_lora_adapters_as_one(tmp_path):
+    """Two processes (2 CPU devices each, gloo) take LoRA steps on the 4-device FSDP mesh, each
+    from its half of the rows and their residual streams at the lowest adapted layer; the adapters
+    after two steps are those one process on 4 devices reaches from all the rows."""
+    import socket
+
+    from subprocs import cpu_env
+
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        addr = f"localhost:{s.getsockname()[1]}"
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    run = lambda mode, out, devices: subprocess.Popen([sys.executable, "-c", _TWO_LORA, addr, mode, str(out)],
+                                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                                      cwd=repo, env=cpu_env(devices))
+    procs = [run("0", tmp_path / "two.npz", 2), run("1", tmp_path / "unused.npz", 2),
+             run("single", tmp_path / "one.npz", 4)]
+    try:
+        outs = [p.communicate(timeout=300)[0] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    for p, out in zip(procs, outs):
+        assert p.returncode == 0 and "ok" in out, out[-3000:]
+    two, one = np.load(tmp_path / "two.npz"), np.load(tmp_path / "one.npz")
+    assert sorted(two.files) == sorted(one.files) and len(one.files) == 2 + 2 * 3
+    for name in one.files:
+        np.testing.assert_allclose(two[name], one[name], rtol=1e-5, atol=1e-6, err_msg=name)
+    assert all(np.abs(one[f"{t}.a"]).max() > 0 and np.abs(one[f"{t}.b"]).max() > 0 for t in ("q", "v", "down"))
+    assert float(one["grad_norm"]) > 0
