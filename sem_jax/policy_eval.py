@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import time
 from collections import Counter, defaultdict
 from collections.abc import Sequence
 
@@ -76,6 +77,9 @@ def aggregate(records: Sequence[dict]) -> dict[str, float]:
 MODES = ("policy", "direct", "naive_rag")
 
 
+PROGRESS_S = 60.0  # an evaluation says how far it is at most this often
+
+
 def run_mode(mode: str, sampler, tokenizer, retriever, examples: Sequence[Example], cfg: RolloutConfig,
              batch_size: int, system_prompt: str | None = None, protocol: Protocol = SEM) -> list[dict]:
     """Per-question records for one mode (greedy, group size 1); `system_prompt` (default: the
@@ -84,6 +88,7 @@ def run_mode(mode: str, sampler, tokenizer, retriever, examples: Sequence[Exampl
         raise ValueError(f"mode {mode!r}; choose from {MODES}")
     rcfg = dataclasses.replace(cfg, group_size=1, max_searches=cfg.max_searches if mode == "policy" else 0)
     records = []
+    start = said = time.perf_counter()
     for i in range(0, len(examples), batch_size):
         chunk = list(examples[i:i + batch_size])
         if mode == "naive_rag":
@@ -101,6 +106,9 @@ def run_mode(mode: str, sampler, tokenizer, retriever, examples: Sequence[Exampl
             if mode == "naive_rag":
                 rec["searches"] = 1  # it always retrieves (before answering)
             records.append(rec)
+        if time.perf_counter() - said > PROGRESS_S and jax.process_index() == 0:  # a long set says where it is
+            said = time.perf_counter()
+            print(f"[eval] {mode}: {len(records)} of {len(examples)} questions, {said - start:.0f}s", flush=True)
     return records
 
 

@@ -163,7 +163,8 @@ class CountingRetriever:
         return self.inner.search(queries, k)
 
 
-def test_evaluate_table_and_naive_rag_calls(qwen25_tokenizer, tmp_path):
+def test_evaluate_table_and_naive_rag_calls(qwen25_tokenizer, tmp_path, monkeypatch, capsys):
+    from sem_jax import policy_eval
     from sem_jax.evaluate import evaluate_modes, results_table
     from sem_jax.protocol import SEM
     from sem_jax.protocol.sem import format_results
@@ -220,8 +221,12 @@ def test_evaluate_table_and_naive_rag_calls(qwen25_tokenizer, tmp_path):
 
     # naive_rag: the retriever is asked exactly once per question, with the question.
     retriever.queries.clear()
+    monkeypatch.setattr(policy_eval, "PROGRESS_S", 0.0)  # a long set says how far it is: here after each batch
+    capsys.readouterr()
     evaluate_modes(sampler, tok, retriever, {"toy": QA}, ["naive_rag"], cfg, batch_size=2)
     assert sorted(retriever.queries) == sorted(e.question for e in QA)
+    said = [x.split("questions")[0] for x in capsys.readouterr().out.splitlines() if x.startswith("[eval] naive_rag:")]
+    assert said == ["[eval] naive_rag: 2 of 4 ", "[eval] naive_rag: 4 of 4 "]
 
 
 # -- export -----------------------------------------------------------------------------------
