@@ -1,7 +1,7 @@
 """The config as frozen, typed settings: every field's default, type and range, checked once.
 
 The user's interface stays ml_collections: `configs/*.py` start from `sem_jax.config.base_config()`
-(made here from the defaults below) and `--config.x=y` overrides it. `load(config)` turns that
+(`to_config_dict` of the defaults below) and `--config.x=y` overrides it. `load(config)` turns that
 ConfigDict into a `Config` once, refusing an unknown field, a value of the wrong type or out of
 its range in one line naming the field, and a combination of fields that cannot work together
 (checked beside the fields, in `__post_init__`); every module reads the typed `Config`, none a
