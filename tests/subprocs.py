@@ -15,3 +15,27 @@ def xla_flags(devices: int = 1, fast_compile: bool = True) -> str:
 
 def cpu_env(devices: int = 1) -> dict:
     return dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=xla_flags(devices))
+
+
+def free_address() -> str:
+    """localhost:PORT with a port free now: a coordinator for processes started next."""
+    import socket
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return f"localhost:{s.getsockname()[1]}"
+
+
+def run_together(cmds: list[tuple[list[str], int]], cwd: str, timeout: float = 600) -> list[str]:
+    """Start every (argv, host devices) at once (processes of one runtime wait for each other),
+    wait for all, and return their outputs; each must exit 0 (a failure shows its output's tail)."""
+    import subprocess
+    procs = [subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=cwd,
+                              env=cpu_env(devices)) for argv, devices in cmds]
+    try:
+        outs = [p.communicate(timeout=timeout)[0] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    for p, out in zip(procs, outs):
+        assert p.returncode == 0, out[-4000:]
+    return outs

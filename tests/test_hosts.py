@@ -1,8 +1,6 @@
 """Host-local rows <-> global arrays (sem_jax.hosts), with one process and with two."""
 
 import os
-import socket
-import subprocess
 import sys
 import textwrap
 
@@ -12,7 +10,7 @@ import numpy as np
 from sem_jax import hosts
 from sem_jax.rl.trainer import _micro, _unmicro
 from sem_jax.sharding import make_mesh
-from subprocs import cpu_env
+from subprocs import free_address, run_together
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -82,18 +80,10 @@ _TWO = textwrap.dedent("""
 
 
 def test_two_processes_share_rows_agree_and_catch_diverging_calls(tmp_path):
-    with socket.socket() as s:
-        s.bind(("localhost", 0))
-        addr = f"localhost:{s.getsockname()[1]}"
-    env = cpu_env(2)
+    addr = free_address()
     for i in (0, 1):
         (tmp_path / f"own{i}").mkdir()
-    procs = [subprocess.Popen([sys.executable, "-c", _TWO, addr, str(i), str(tmp_path)], stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True, cwd=REPO, env=env) for i in (0, 1)]
-    try:
-        outs = [p.communicate(timeout=300)[0] for p in procs]
-    finally:
-        for p in procs:
-            p.kill()
-    for i, (p, out) in enumerate(zip(procs, outs)):
-        assert p.returncode == 0 and f"ok {i}" in out, out[-3000:]
+    outs = run_together([([sys.executable, "-c", _TWO, addr, str(i), str(tmp_path)], 2) for i in (0, 1)], REPO,
+                        timeout=300)
+    for i, out in enumerate(outs):
+        assert f"ok {i}" in out, out[-3000:]

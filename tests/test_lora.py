@@ -437,26 +437,14 @@ def test_two_processes_update_lora_adapters_as_one(tmp_path):
     """Two processes (2 CPU devices each, gloo) take LoRA steps on the 4-device FSDP mesh, each
     from its half of the rows and their residual streams at the lowest adapted layer; the adapters
     after two steps are those one process on 4 devices reaches from all the rows."""
-    import socket
+    from subprocs import free_address, run_together
 
-    from subprocs import cpu_env
-
-    with socket.socket() as s:
-        s.bind(("localhost", 0))
-        addr = f"localhost:{s.getsockname()[1]}"
+    addr = free_address()
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    run = lambda mode, out, devices: subprocess.Popen([sys.executable, "-c", _TWO_LORA, addr, mode, str(out)],
-                                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                                      cwd=repo, env=cpu_env(devices))
-    procs = [run("0", tmp_path / "two.npz", 2), run("1", tmp_path / "unused.npz", 2),
-             run("single", tmp_path / "one.npz", 4)]
-    try:
-        outs = [p.communicate(timeout=300)[0] for p in procs]
-    finally:
-        for p in procs:
-            p.kill()
-    for p, out in zip(procs, outs):
-        assert p.returncode == 0 and "ok" in out, out[-3000:]
+    argv = lambda mode, out: [sys.executable, "-c", _TWO_LORA, addr, mode, str(out)]
+    outs = run_together([(argv("0", tmp_path / "two.npz"), 2), (argv("1", tmp_path / "unused.npz"), 2),
+                         (argv("single", tmp_path / "one.npz"), 4)], repo, timeout=300)
+    assert all("ok" in out for out in outs), outs
     two, one = np.load(tmp_path / "two.npz"), np.load(tmp_path / "one.npz")
     assert sorted(two.files) == sorted(one.files) and len(one.files) == 2 + 2 * 3
     for name in one.files:

@@ -20,7 +20,7 @@ from sem_jax.model.tokenizer import train_bpe_tokenizer
 from sem_jax.config import cpu_config
 from sem_jax.protocol import SEM
 from sem_jax.sft import supervised_finetune
-from subprocs import cpu_env
+from subprocs import cpu_env, free_address, run_together
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEMO_PROMPT = cpu_config().system_prompt
@@ -108,22 +108,10 @@ def test_three_steps_then_kill_and_resume_exactly(warm_model, tmp_path):
 def _two_processes(cmd) -> list[str]:
     """Run `cmd(*distributed flags)` as processes 0 and 1 of one runtime (2 CPU devices each,
     gloo collectives); both must succeed; their outputs."""
-    with socket.socket() as s:
-        s.bind(("localhost", 0))
-        port = s.getsockname()[1]
-    procs = [subprocess.Popen(cmd(f"--config.distributed.coordinator_address=localhost:{port}",
-                                  "--config.distributed.num_processes=2", f"--config.distributed.process_id={i}",
-                                  "--config.distributed.cpu_collectives=gloo"),
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO, env=cpu_env(2))
-             for i in (0, 1)]
-    try:
-        outs = [p.communicate(timeout=600)[0] for p in procs]
-    finally:
-        for p in procs:
-            p.kill()
-    for p, out in zip(procs, outs):
-        assert p.returncode == 0, out[-4000:]
-    return outs
+    addr = free_address()
+    return run_together([(cmd(f"--config.distributed.coordinator_address={addr}", "--config.distributed.num_processes=2",
+                              f"--config.distributed.process_id={i}", "--config.distributed.cpu_collectives=gloo"), 2)
+                         for i in (0, 1)], REPO)
 
 
 def test_two_processes_train_as_one(warm_model, tmp_path):
