@@ -84,6 +84,14 @@ def evaluate_modes(sampler, tokenizer, retriever, data: dict[str, list[Example]]
     return results
 
 
+def evaluate_run(run, data: dict[str, list[Example]], modes: Sequence[str], out_dir: str | None) -> dict:
+    """`evaluate_modes` with a built run's greedy sampler, retriever and mesh, under its config's
+    engine, system prompt and protocol."""
+    c = run.config
+    return evaluate_modes(run.greedy, run.tokenizer, run.retriever, data, modes, c.engine(), batch_size=run.eval_batch,
+                          out_dir=out_dir, system_prompt=c.prompt(), protocol=c.chat_protocol(), mesh=run.mesh)
+
+
 def write_sample(out_dir: str | None, name: str, examples: list[Example], limit: int, seed: int) -> list[Example]:
     """The --limit sample of one data set, its ids and category counts written beside the
     results (sample_<name>.json, unless `out_dir` is None) so that another run can be compared
@@ -207,9 +215,7 @@ def main(argv):
     if FLAGS.limit:
         data = {name: write_sample(out if writer else None, name, examples, FLAGS.limit, FLAGS.seed)
                 for name, examples in data.items()}
-    results = evaluate_modes(run.greedy, run.tokenizer, run.retriever, data, modes, config.engine(),
-                             batch_size=run.eval_batch, out_dir=out if writer else None,
-                             system_prompt=config.prompt(), protocol=config.chat_protocol(), mesh=run.mesh)
+    results = evaluate_run(run, data, modes, out if writer else None)
     if writer:
         print(results_table(results, list(data)))
         print(f"wrote {out}/results.md, results.json and per-question predictions")

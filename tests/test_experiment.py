@@ -270,7 +270,7 @@ def test_known_for_the_model_is_what_the_warm_start_answers_right_first(tmp_path
 
     run = types.SimpleNamespace(settings=types.SimpleNamespace(protocol=SEM), cap=lambda examples, where: examples)
     monkeypatch.setattr(pipeline, "build_evaluation", lambda config, hf: run)
-    monkeypatch.setattr(pipeline, "_score", score)
+    monkeypatch.setattr(pipeline, "evaluate_run", score)
     pipeline.known_stage(Config(), str(tmp_path), {"train": str(tmp_path / "train.jsonl")}, seed=0)
     assert asked == [["m0", "m1", "m2", "m3"]]  # the training file's MMLU questions, not its multi-hop ones
     mix = load_questions(pipeline.known_file(str(tmp_path)))

@@ -34,7 +34,7 @@ from sem_jax.assemble import build_evaluation
 from sem_jax.checkpoint import Checkpointer
 from sem_jax.data.mix import sem_mix
 from sem_jax.data.questions import load_questions, question_row
-from sem_jax.evaluate import evaluate_modes, parse_modes
+from sem_jax.evaluate import evaluate_run, parse_modes
 from sem_jax.errors import Refused, read_json
 from sem_jax.experiment.data import EVAL_SETS, prepare_data, real_file, write_jsonl
 from sem_jax.experiment.report import write_report
@@ -85,15 +85,9 @@ def _evaluate(config: Config, out: str, files: dict[str, str], modes: list[str],
     os.makedirs(out, exist_ok=True)
     run = build_evaluation(config, checkpoint=checkpoint, hf=hf)
     data = {name: run.cap(load_questions(files[name]), name) for name in EVAL_SETS}
-    _score(run, data, modes, out)
+    evaluate_run(run, data, modes, out)
     _mark(out, {"protocol": config.protocol, "source": hf or checkpoint, "modes": modes,
                 "questions": {name: len(examples) for name, examples in data.items()}})
-
-
-def _score(run, data: dict, modes: list[str], out: str) -> None:
-    c = run.config
-    evaluate_modes(run.greedy, run.tokenizer, run.retriever, data, modes, c.engine(), batch_size=run.eval_batch,
-                   out_dir=out, system_prompt=c.prompt(), protocol=c.chat_protocol(), mesh=run.mesh)
 
 
 def known_file(out: str) -> str:
@@ -110,13 +104,13 @@ def known_stage(config: Config, out: str, files: dict[str, str], seed: int) -> N
     run = build_evaluation(config, hf=os.path.join(out, "warm"))
     train = load_questions(files["train"])
     asked = run.cap([e for e in train if not e.needs_search], "mmlu_train")
-    _score(run, {"mmlu_train": asked}, ["policy"], where)
-    by_id = {e.id: e for e in asked}
+    evaluate_run(run, {"mmlu_train": asked}, ["policy"], where)
+    by_id, parse = {e.id: e for e in asked}, config.chat_protocol().parse
     right = []
     with open(os.path.join(where, "predictions_policy_mmlu_train.jsonl")) as fh:
         for line in fh:
             r = json.loads(line)
-            first = config.chat_protocol().parse(r["response"], r["end_reason"] == "eos").first_answer
+            first = parse(r["response"], r["end_reason"] == "eos").first_answer
             if score_answer(first, by_id[r["id"]])[0] == 1.0:
                 right.append(by_id[r["id"]])
     if not right:
