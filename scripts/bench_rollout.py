@@ -124,7 +124,7 @@ def workload(tok, docs, search_share: float, seed: int = 0) -> tuple[np.ndarray,
     return script, dict(search_rows=len(searching), twice=len(twice), sampled_tokens=int(sum(sampled)))
 
 
-SETTINGS = {"lockstep": dict(lockstep=True), "continuous": {}, "narrowed": dict(narrow=True)}
+SETTINGS = {"lockstep": dict(lockstep=True), "continuous": dict(narrow=False), "narrowed": dict(narrow=True)}
 
 
 def run(sampler, tok, retriever, prompts, script, slots: int, repeats: int) -> dict:

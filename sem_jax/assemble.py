@@ -200,12 +200,9 @@ def build_sampler(model: Qwen2, tokenizer, config: Config, *, greedy: bool = Fal
               f"split over the largest run of the sampler's mesh axes that divides them (sharding.logical_to_spec)",
               flush=True)
     stop = build_stop_automaton(tokenizer, config.chat_protocol().stop_strings, vocab_size=model.config.vocab_size)
-    sampler = Sampler(model, stop, config.sampling(stop_ids(tokenizer), greedy=greedy), mesh=mesh, calls=calls, window_steps=config.rollout.window_steps,
-                      max_prompt_tokens=config.data.max_prompt_tokens, resid_layer=resid_layer)
-    if config.rollout.narrow and not sampler.can_narrow():
-        print("WARNING: rollout.narrow is ignored: the sampler's rows are split over processes or devices, and "
-              "narrowing would move them between devices (it runs on one process with an unsplit batch)", flush=True)
-    return sampler
+    return Sampler(model, stop, config.sampling(stop_ids(tokenizer), greedy=greedy), mesh=mesh, calls=calls,
+                   window_steps=config.rollout.window_steps, max_prompt_tokens=config.data.max_prompt_tokens,
+                   resid_layer=resid_layer)
 
 
 def check_positions(config: Config, model_config: Qwen2Config) -> None:

@@ -130,13 +130,11 @@ def test_one_trajectory_a_question_is_refused_for_training_not_for_evaluation():
     assert load(_load("cpu")).replace(**{"rollout.group_size": 1}).rollout.group_size == 1  # loads: evaluate takes it
 
 
-def test_narrowing_a_lockstep_rollout_is_refused():
+def test_narrowing_is_on_by_default_and_a_no_op_under_lockstep():
     c = _load("cpu")
-    c.rollout.narrow = True
     assert load(c).engine().narrow
     c.rollout.lockstep = True
-    with pytest.raises(ValueError, match="rollout.narrow narrows the continuous engine's batch; rollout.lockstep"):
-        load(c)
+    assert load(c).engine().narrow  # loads: the engine narrows only continuous batches (test_rollout)
 
 
 def test_a_rollout_longer_than_the_models_positions_is_refused():

@@ -401,14 +401,15 @@ def test_continuous_engine_samples_what_lockstep_samples(qwen25_tokenizer, retri
     base = dict(group_size=g, **ENGINE_BASE)
     runs = {}
     settings = [("lockstep", dict(lockstep=True), retriever),
-                ("4 slots", dict(slots=4, chunk_steps=3), SlowRetriever(retriever, 0.05))]
+                ("4 slots", dict(slots=4, chunk_steps=3, narrow=False), SlowRetriever(retriever, 0.05))]
     if not greedy:  # (each setting compiles its own shapes: the greedy case checks the two that matter most)
-        settings += [("5 slots, narrowed", dict(slots=5, chunk_steps=7, narrow=True), SlowRetriever(retriever, 0.05))]
+        settings += [("5 slots, narrowed", dict(slots=5, chunk_steps=7), SlowRetriever(retriever, 0.05))]
     for name, extra, r in settings:
         trajs, stats = rollout(sampler, tok, r, prompts, jax.random.key(7), RolloutConfig(**base, **extra),
                                script=script)
         runs[name] = trajs, stats
     want, lock = runs["lockstep"]
+    assert lock.narrowed == 0 and lock.slot_steps == lock.decode_steps * len(want)  # narrow (the default) is a no-op
     assert sum(t.num_searches for t in want) >= 6 and "eos" in {t.end_reason for t in want}
     assert any(tok.decode(enc(LIMIT_NOTE)[:16]) in t.text for t in want)  # a second search got the note
     assert len({len(t.response_ids) for t in want}) > 3  # rows of many lengths
@@ -529,24 +530,27 @@ def test_lockstep_admits_a_new_batch_only_when_every_slot_is_free(qwen25_tokeniz
     assert cs.decode_steps < ls.decode_steps and cs.occupancy > ls.occupancy
     # Every row in a slot, nothing to refill, no search: one call decodes the step to its end.
     _, alone = rollout(sampler, tok, retriever, prompts, jax.random.key(0),
-                       RolloutConfig(**{**cfg, "slots": 0}, chunk_steps=1), script=script)
+                       RolloutConfig(**{**cfg, "slots": 0}, chunk_steps=1, narrow=False), script=script)
     assert alone.boundaries == 1 and alone.decode_steps == max(lengths)
-    # Narrowed: the engine halves its batch as rows end, each end a boundary (no two rows end at
-    # one step); before step t the rows longer than t hold slots, and the width halves while they
-    # fit in half of it: 8 wide for steps 0-4, 4 for 5-9, 2 for 10, 1 for 11 (63, not 12 x 8).
+    # Narrowed: the engine halves its batch as rows end; before step t the rows longer than t hold
+    # slots, and the width halves while they fit in half of it: 8 wide for steps 0-4, 4 for 5-9, 2
+    # for 10, 1 for 11 (63, not 12 x 8). The device comes back only when enough rows have ended to
+    # halve it (after 4 ends, 2, 1, then the last row's), not at each of the 7 ends before the last.
     _, whole = rollout(sampler, tok, retriever, prompts, jax.random.key(0),
-                       RolloutConfig(**{**cfg, "slots": 0}, chunk_steps=1, narrow=True), script=script)
+                       RolloutConfig(**{**cfg, "slots": 0}, chunk_steps=1), script=script)
     width, want = 8, 0
     for t in range(max(lengths)):
         while sum(n > t for n in lengths) <= width // 2:
             width //= 2
         want += width
     assert whole.slot_steps == want == 63 and whole.active_slot_steps == sum(lengths) and whole.narrowed == 3
+    assert whole.boundaries == 4 and whole.decode_steps == max(lengths)
 
 
-def test_a_decode_call_returns_at_a_pause_and_at_an_end_only_when_ends_count(qwen25_tokenizer):
-    """`decode_counted(release=1)`: back to the host once a row pauses at `</search>`, or, with
-    `ends`, once a row ends; without a release, when no row is active (the paused row waits)."""
+def test_a_decode_call_returns_after_so_many_pauses_or_so_many_ends(qwen25_tokenizer):
+    """`decode_counted(pauses=p, ends=e)`: back to the host once p rows have paused at `</search>`
+    or e rows have ended (0: never for that kind); else when no row is active (the paused row
+    waits). Row 0 ends at step 3, row 1 pauses at len(search), row 2 ends at step 12."""
     from policies import Qwen2Config, random_qwen2
 
     tok = qwen25_tokenizer
@@ -561,11 +565,11 @@ def test_a_decode_call_returns_at_a_pause_and_at_an_end_only_when_ends_count(qwe
     script[0, 2] = script[2, 11] = IM_END               # row 0 ends at step 3, row 2 at step 12
     script[1, :len(search)] = search                    # row 1 pauses at step len(search)
     forced = jax.numpy.asarray(script)
-    for release, ends, steps in ((1, True, 3), (1, False, len(search)), (0, True, 12)):
+    for pauses, ends, steps in ((1, 1, 3), (1, 0, len(search)), (0, 0, 12), (0, 1, 3), (0, 2, 12), (2, 2, 12)):
         state = sampler.start([[100, 7]], 3, jax.random.key(0))
-        state, ran, _ = sampler.decode_counted(state, None, forced, release=release, ends=ends)
+        state, ran, _ = sampler.decode_counted(state, None, forced, pauses=pauses, ends=ends)
         paused, done, _ = sampler.flags(state)
-        assert ran == steps, (release, ends)
+        assert ran == steps, (pauses, ends)
         assert done[0] and paused[1] == (steps >= len(search)) and done[2] == (steps == 12)
 
 

@@ -19,8 +19,7 @@ def _aot(*args):
 def test_aot_check_small_topology():
     pytest.importorskip("libtpu", reason="jax[tpu] (libtpu) not installed: the compile-only TPU check is skipped")
     ok = _aot("--config", "configs/demo_cpu.py", "--topology", "v4:2x2x1", "--config.rl.beta=0.04",
-              "--config.model.eval_dtype=bfloat16", "--config.rollout.tensor=2", "--config.rollout.slots=3",
-              "--config.rollout.narrow=True")
+              "--config.model.eval_dtype=bfloat16", "--config.rollout.tensor=2", "--config.rollout.slots=3")
     assert ok.returncode == 0, ok.stderr[-3000:]
     assert "rollout in tensor-parallel groups of 2" in ok.stdout
     # The engine's own programs at its width (3 slots rounded up to the 2 groups' multiple);

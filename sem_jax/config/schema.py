@@ -25,11 +25,12 @@ from ml_collections import ConfigDict, config_dict
 from sem_jax.data.questions import DEMO_DIR
 from sem_jax.errors import Refused
 from sem_jax.protocol import Protocol, get_protocol
-from sem_jax.rl.loss import GRPOConfig
-from sem_jax.rl.trainer import OptimConfig
-from sem_jax.sampling.rollout import RolloutConfig
-from sem_jax.sampling.sampler import SamplingConfig
-from sem_jax.sharding import make_mesh
+
+if typing.TYPE_CHECKING:  # what the sections build is imported where it is built: a config loads without jax
+    from sem_jax.rl.loss import GRPOConfig
+    from sem_jax.rl.trainer import OptimConfig
+    from sem_jax.sampling.rollout import RolloutConfig
+    from sem_jax.sampling.sampler import SamplingConfig
 
 BIG = 1 << 30  # an open upper end
 
@@ -100,6 +101,7 @@ class Mesh:
 
     def build(self, devices: typing.Sequence | None = None) -> Any:
         """The training mesh over `devices` (default: all)."""
+        from sem_jax.sharding import make_mesh
         return make_mesh(self.data, self.fsdp, self.tensor, devices=devices)
 
 
@@ -154,20 +156,17 @@ class Rollout:
     # threads; `lockstep`: barriers at pauses and admissions (one static batch decoded until every
     # row waits); `narrow`: once the queue is empty, the decode batch halves while its rows fit in
     # half of it (the step's tail decodes its last rows, not its empty slots; each width compiles
-    # once; one process and an unsplit batch only; off by default: the tail's rows then round
-    # differently from the rest's).
+    # once). It applies where rows cannot move between devices: the continuous engine on one
+    # process with an unsplit batch; elsewhere it is a no-op (docs/usage.md).
     slots: int = setting(0, why="0: every row of the step", **COUNT)
     chunk_steps: int = setting(8, **POSITIVE)
     lockstep: bool = False
-    narrow: bool = False
+    narrow: bool = True
     retrieval_threads: int = setting(4, **POSITIVE)
     # A retriever call not back this many seconds after its answer is due fails the rollout, naming it.
     retrieval_timeout_s: float = setting(300.0, low=0.0, high=BIG, ends="()")
 
     def __post_init__(self):
-        if self.narrow and self.lockstep:
-            raise ConfigError("rollout.narrow narrows the continuous engine's batch; rollout.lockstep keeps its batch "
-                              "(today's static rollout): set one of them")
         if self.spread and not self.tensor:
             raise ConfigError("rollout.spread splits the MLP and LM head over rollout.tensor's groups: set "
                               "rollout.tensor too")
@@ -231,6 +230,7 @@ class Optim:
 
     def build(self, total_steps: int) -> OptimConfig:
         """The trainer's optimizer over `total_steps` updates (a cosine schedule ends there)."""
+        from sem_jax.rl.trainer import OptimConfig
         return OptimConfig(total_steps=total_steps, **dataclasses.asdict(self))
 
 
@@ -394,6 +394,7 @@ class Config:
     def sampling(self, eos_ids: tuple[int, ...] = (), greedy: bool = False) -> SamplingConfig:
         """The sampler's: training's draws (temperature, top-p, top-k), or `greedy` (evaluation) with
         the same budget; `eos_ids` end a response (`assemble.stop_ids`)."""
+        from sem_jax.sampling.sampler import SamplingConfig
         r = self.rollout
         draws = dict(greedy=True) if greedy else dict(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k)
         return SamplingConfig(max_new_tokens=r.max_new_tokens, eos_ids=tuple(eos_ids),
@@ -401,6 +402,7 @@ class Config:
 
     def engine(self) -> RolloutConfig:
         """The rollout engine's: its rows, searches, slots and retriever calls."""
+        from sem_jax.sampling.rollout import RolloutConfig
         r = self.rollout
         return RolloutConfig(group_size=r.group_size, max_searches=r.max_searches, top_k=self.retrieval.top_k,
                              max_tokens_per_passage=self.retrieval.max_tokens_per_passage,
@@ -410,6 +412,7 @@ class Config:
 
     def grpo(self) -> GRPOConfig:
         """The GRPO loss's: clipping, KL, aggregation (Dr. GRPO normalises by the sampled budget)."""
+        from sem_jax.rl.loss import GRPOConfig
         rl = self.rl
         return GRPOConfig(beta=rl.beta, clip_eps=rl.clip_eps, clip_eps_high=rl.clip_eps_high, loss_agg=rl.loss_agg,
                           dr_grpo_length=self.rollout.max_new_tokens)

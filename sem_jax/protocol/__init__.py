@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sem_jax.protocol import chat, research, sem
-from sem_jax.retrieval.bm25 import Passage
+
+if TYPE_CHECKING:  # annotations only: the protocol loads without the retriever (numpy, scipy)
+    from sem_jax.retrieval.bm25 import Passage
 
 
 @dataclasses.dataclass(frozen=True)

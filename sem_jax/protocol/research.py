@@ -8,10 +8,13 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from sem_jax.protocol import chat
 from sem_jax.protocol.sem import parse_query  # the same tags: the last <search>...</search>
-from sem_jax.retrieval.bm25 import Passage
+
+if TYPE_CHECKING:  # annotations only: the protocol loads without the retriever (numpy, scipy)
+    from sem_jax.retrieval.bm25 import Passage
 
 SEARCH_CLOSE = "</search>"
 SYSTEM_PROMPT = (

@@ -12,9 +12,12 @@ from __future__ import annotations
 import dataclasses
 import re
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from sem_jax.protocol import chat
-from sem_jax.retrieval.bm25 import Passage
+
+if TYPE_CHECKING:  # annotations only: the protocol loads without the retriever (numpy, scipy)
+    from sem_jax.retrieval.bm25 import Passage
 
 TAGS = ("think", "answer", "search", "result")
 SEARCH_CLOSE = "</search>"  # decoding pauses here for the retriever

@@ -31,8 +31,9 @@ Glossary:
 - **narrowing** (`narrow=True`): once the queue is empty, the decode batch halves while the rows that
   hold slots fit in half of it (they move to the first slots, their cache lines with them), so a
   step's tail decodes its last rows, not its empty slots. The widths follow the schedule, so a narrowed
-  step replays bit for bit too; its tail's rows decode at other widths than the rest and round
-  differently, so it is off by default (see `sem_jax.config`).
+  step replays bit for bit too (its tail's rows decode at other widths than the rest, so they round
+  differently from a setting that does not narrow). On by default; it applies on one process with an
+  unsplit batch (`Sampler.can_narrow`), not under lockstep.
 - **lockstep** (`lockstep=True`): the same engine with barriers. Decoding runs until no row is active,
   the paused rows' queries go to the retriever together and are waited for, and rows are admitted
   only when every slot is free (with slots = rows: one static batch, as a lockstep sampler runs it).
@@ -71,7 +72,7 @@ class RolloutConfig:
     slots: int = 0                 # decode slots per process; 0: every row of the step
     chunk_steps: int = 8           # decode steps from a query to its answer's append (retrieval runs beside them)
     lockstep: bool = False         # barriers at pauses and admissions (see the module docstring)
-    narrow: bool = False           # continuous, queue empty: halve the decode batch while half its slots are free
+    narrow: bool = True            # continuous, one process, queue empty: halve the batch while half its slots are free
     retrieval_threads: int = 4     # host threads that run retriever calls beside decoding
     retrieval_timeout_s: float = 300.0  # a retriever call not back this long after it is due fails the rollout
 
@@ -336,14 +337,16 @@ class _Step:
             refill.blocks[s] = refill.blocks[s][:max(0, room - int(lens[s]))]
         self._admit(refill)
         self.slots.asked[refill.resume] = False
-        work, live, refilling, next_due, sizes = self._exchange(refill)
+        work, live, queued, next_due, sizes = self._exchange(refill)
         if work:
             self._refill(refill, sizes)
         if not live:
             return False
+        ends = int(queued)  # a freed slot takes a queued row
         if self.narrowing and not self.queue:
             self._narrow()
-        self._decode(next_due, refilling)
+            ends = self._ends_to_narrow(int(np.sum(refill.end)))
+        self._decode(next_due, ends)
         return True
 
     def _collect(self, finished: np.ndarray, resp: np.ndarray, lens: np.ndarray) -> None:
@@ -441,14 +444,13 @@ class _Step:
 
     def _exchange(self, refill: _Refill) -> tuple[bool, bool, bool, int, tuple[int, ...]]:
         """The boundary's one exchange between processes (their device calls must match): whether
-        any has device work, rows left, a use for freed slots (rows wait for one, or the batch may
-        narrow), the earliest step at which answers are due (it ends the next decode call), and
-        the refill call's shapes."""
-        work, live, refilling, negated, *sizes = hosts.agree_max_each(
+        any has device work, rows left, rows queued (for a freed slot), the earliest step at which
+        answers are due (it ends the next decode call), and the refill call's shapes."""
+        work, live, queued, negated, *sizes = hosts.agree_max_each(
             refill.work, bool(self.queue) or bool(self.searches) or bool(self.slots.held().any()),
-            bool(self.queue) or self.narrowing, -min([job.due for job in self.searches], default=_NEVER),
+            bool(self.queue), -min([job.due for job in self.searches], default=_NEVER),
             *self.sampler.refill_sizes(refill.blocks, refill.admit))
-        return bool(work), bool(live), bool(refilling), -negated, tuple(sizes)
+        return bool(work), bool(live), bool(queued), -negated, tuple(sizes)
 
     def _refill(self, refill: _Refill, sizes: tuple[int, ...]) -> None:
         t0 = time.perf_counter()
@@ -470,15 +472,22 @@ class _Step:
             self.slots = self.slots.take(keep)
             self.stats.narrowed += 1
 
-    def _decode(self, next_due: int, refilling: bool) -> None:
-        """Continuous: back to the host as soon as a row pauses (a query to send) or, while a freed
-        slot would be used, ends (a boundary costs less than a slot left idle), and at the next
-        answers' due step. Lockstep: until no row is active."""
+    def _ends_to_narrow(self, ended: int) -> int:
+        """How many rows must end before the next boundary can halve the batch (0: it cannot): the
+        held rows, less those this boundary's refill ended, must fit in half the slots."""
+        half = self.slots.width // 2
+        return max(1, int(self.slots.held().sum()) - ended - half) if half else 0
+
+    def _decode(self, next_due: int, ends: int) -> None:
+        """Continuous: back to the host as soon as a row pauses (a query to send), once `ends` rows
+        have ended (a freed slot takes a queued row, or the batch can narrow: a boundary costs
+        less than a slot left idle; 0: no end brings it back), and at the next answers' due step.
+        Lockstep: until no row is active."""
         lockstep, stats = self.cfg.lockstep, self.stats
         t0 = time.perf_counter()
         self.state, steps, busy = self.sampler.decode_counted(
             self.state, None if lockstep or next_due == _NEVER else next_due - stats.decode_steps, self.forced,
-            release=0 if lockstep else 1, ends=refilling)
+            pauses=0 if lockstep else 1, ends=0 if lockstep else ends)
         stats.decode_s += time.perf_counter() - t0
         stats.decode_steps += steps
         stats.slot_steps += steps * self.slots.width * jax.process_count()

@@ -451,17 +451,17 @@ def decode_step(model: Qwen2, layers, s: SamplerState, stop_table, eos_ids, *, c
 def _decode(graphdef, params, layers, state: SamplerState, stop_table, eos_ids, max_steps, script=None,
             release=None, *, cfg: SamplingConfig, window: int) -> tuple[SamplerState, jax.Array]:
     """Decode until every row is done or paused, after `max_steps` steps, before an active row
-    would read past the first `window` cache slots, or, given `release` ([2] int32: a count n and
-    whether ends count), once n of the rows active at the start have paused (or ended, if ends
-    count). Returns the state and `progress` after (with the active row-steps it decoded and the
-    rows that stopped)."""
+    would read past the first `window` cache slots, or, given `release` ([2] int32: counts of
+    pauses and of ends, 0 for never), once that many of the rows active at the start have paused
+    or that many have ended. Returns the state and `progress` after (with the active row-steps it
+    decoded and the rows that paused and ended)."""
     model: Qwen2 = nnx.merge(graphdef, params)
     full = state.cache
     started = state.active
 
-    def stopped(s):  # rows active at the start that now wait for the host
-        ends = jnp.bool_(False) if release is None else release[1] > 0
-        return jnp.sum(started & ~s.active & (s.paused | ends), dtype=jnp.int32)
+    def stopped(s):  # [paused, ended]: rows active at the start that now wait for the host, or are done
+        gone = started & ~s.active
+        return jnp.stack([jnp.sum(gone & ~s.done, dtype=jnp.int32), jnp.sum(gone & s.done, dtype=jnp.int32)])
     # A per-layer cache decodes in a copy of the slots the loop can touch (the window and the
     # slot each step writes), copied back after it: a window sliced out of the whole cache at
     # every step is a copy of its own on XLA:CPU (a strided slice feeds no dot in place).
@@ -475,7 +475,7 @@ def _decode(graphdef, params, layers, state: SamplerState, stop_table, eos_ids, 
     def cond(carry):
         step, _, s = carry
         go = (step < max_steps) & jnp.any(s.active) & ~jnp.any(s.active & (s.cache.lengths > window))
-        return go if release is None else go & (stopped(s) < release[0])
+        return go if release is None else go & ~jnp.any((release > 0) & (stopped(s) >= release))
 
     def body(carry):
         step, busy, s = carry
@@ -492,13 +492,13 @@ def _decode(graphdef, params, layers, state: SamplerState, stop_table, eos_ids, 
     return state, _progress(state, steps, busy, stopped(state))
 
 
-def _progress(state: SamplerState, steps=0, busy=0, stopped=0) -> jax.Array:
+def _progress(state: SamplerState, steps=0, busy=0, stopped=(0, 0)) -> jax.Array:
     """[steps, longest active row's cache length (-1: none active), longest live row's, active
-    row-steps decoded, rows that stopped for the host (`_decode`'s release)]: what the host needs
-    to pick the next call's attention window, in one small transfer."""
+    row-steps decoded, rows that paused, rows that ended (`_decode`'s release)]: what the host
+    needs to pick the next call's attention window, in one small transfer."""
     lengths = state.cache.lengths
     return jnp.stack([jnp.int32(steps), jnp.max(jnp.where(state.active, lengths, -1)),
-                      jnp.max(jnp.where(state.done, 0, lengths)), jnp.int32(busy), jnp.int32(stopped)])
+                      jnp.max(jnp.where(state.done, 0, lengths)), jnp.int32(busy), *jnp.asarray(stopped, jnp.int32)])
 
 
 # Tokens per pass of an insert: a pass materialises its attention scores, [rows, heads, chunk,
@@ -741,28 +741,31 @@ class Sampler:
         return self.decode_counted(state, max_steps, script)[0]
 
     def decode_counted(self, state: SamplerState, max_steps: int | None = None, script: jax.Array | None = None,
-                       release: int = 0, ends: bool = True) -> tuple[SamplerState, int, int]:
+                       pauses: int = 0, ends: int = 0) -> tuple[SamplerState, int, int]:
         """`decode`, with the decode steps it ran and the active row-steps among them (all
-        processes'). `release` > 0: stop as soon as that many of the rows active at the start have
-        paused (a query to send) or, with `ends`, ended (a slot to refill)."""
+        processes'). Back as soon as `pauses` of the rows active at the start have paused (a query
+        to send) or `ends` of them have ended (slots to refill, or a batch to narrow); 0: never for
+        that kind."""
         top = int(np.asarray(progress(state))[1])
         left = max_steps or self.max_steps
         steps = busy = 0
+        release = np.array([pauses, ends], np.int32)
         while top >= 0 and left > 0:  # a row is active
             window = self._window(state, top + self.window_steps)
             self.calls.record(f"decode@{window}", state.resp)
             with self._on_mesh():
                 state, info = decode_loop(self.graphdef, self.params, self.layers, state, self.stop_table,
                                           self.eos_ids, self.replicated(np.int32(left)), script,
-                                          self.replicated(np.array([release, ends], np.int32)) if release else None,
+                                          self.replicated(release) if release.any() else None,
                                           cfg=self.config, window=window)
-            done, top, _, active, stopped = np.asarray(info).tolist()
+            done, top, _, active, *stopped = np.asarray(info).tolist()
             left -= done
             steps += done
             busy += active
-            if release:
-                release -= stopped
-                if release <= 0:
+            if release.any():
+                wanted = release > 0
+                release = np.where(wanted, release - np.array(stopped, np.int32), 0)
+                if (wanted & (release <= 0)).any():
                     break
             if done == 0:  # cannot happen with a window past the longest active row
                 raise RuntimeError(f"decode made no progress: window {window}, longest active row {top}")
