@@ -347,16 +347,14 @@ def _train(config: Config, run_dir: str) -> dict[str, float]:
             state.step += 1
             if state.step % t.log_every == 0 or state.step == total:
                 writer.write(state.step, metrics, total=total)
-            due = state.step % t.ckpt_every == 0 or state.step == total
-            if due:
+            # A signal, or a TPU maintenance / spot preemption notice: save now, exit cleanly,
+            # resume on relaunch.
+            stopping = bool(stop.received) or ckpt.manager.reached_preemption(state.step)
+            if stopping or state.step % t.ckpt_every == 0 or state.step == total:
                 save(run, ckpt, state)
             else:
                 ckpt.check()  # a background save that failed stops the run at the next step
-            if stop.received or ckpt.manager.reached_preemption(state.step):
-                # A signal, or a TPU maintenance / spot preemption notice: save now, exit cleanly,
-                # resume on relaunch.
-                if not due:
-                    save(run, ckpt, state)
+            if stopping:
                 ckpt.close()
                 writer.close()
                 why = signal.Signals(stop.received).name if stop.received else "preemption notice"
