@@ -338,7 +338,8 @@ def test_the_residuals_the_update_starts_from_equal_a_fresh_forward(qwen25_token
                       SamplingConfig(max_new_tokens=40, eos_ids=(151645,), max_inserted_tokens=200),
                       window_steps=8, resid_layer=spec.first)
     retriever = SlowRetriever(Retriever.build(DOCS, show_progress=False), 0.01)
-    rc = RolloutConfig(group_size=2, slots=3, narrow=True, chunk_steps=3, **ENGINE_BASE)  # groups split, rows moved
+    # Groups split, rows moved.
+    rc = RolloutConfig(group_size=2, slots=3, narrow=True, narrow_floor=1, chunk_steps=3, **ENGINE_BASE)
     trajs, _ = rollout(sampler, tok, retriever, prompts, jax.random.key(1), rc,
                        script=_scripted_workload(tok, 4, 48))
     assert sum(t.num_searches for t in trajs) >= 2  # inserted blocks among the positions

@@ -403,7 +403,8 @@ def test_continuous_engine_samples_what_lockstep_samples(qwen25_tokenizer, retri
     settings = [("lockstep", dict(lockstep=True), retriever),
                 ("4 slots", dict(slots=4, chunk_steps=3, narrow=False), SlowRetriever(retriever, 0.05))]
     if not greedy:  # (each setting compiles its own shapes: the greedy case checks the two that matter most)
-        settings += [("5 slots, narrowed", dict(slots=5, chunk_steps=7), SlowRetriever(retriever, 0.05))]
+        settings += [("5 slots, narrowed", dict(slots=5, chunk_steps=7, narrow_floor=1),
+                      SlowRetriever(retriever, 0.05))]
     for name, extra, r in settings:
         trajs, stats = rollout(sampler, tok, r, prompts, jax.random.key(7), RolloutConfig(**base, **extra),
                                script=script)
@@ -452,7 +453,8 @@ def test_a_step_replays_bit_for_bit_whatever_the_retrievers_latency(qwen25_token
     on a loaded machine, 3 decode steps outlasted the retriever and nothing was waited for.)"""
     tok = qwen25_tokenizer
     sampler, prompts, script = _engine_case(tok, False, window_steps=8)
-    cfg = RolloutConfig(group_size=3, **ENGINE_BASE, slots=5 if narrow else 4, chunk_steps=3, narrow=narrow)
+    cfg = RolloutConfig(group_size=3, **ENGINE_BASE, slots=5 if narrow else 4, chunk_steps=3, narrow=narrow,
+                        narrow_floor=1)
     runs = [rollout(sampler, tok, r, prompts, jax.random.key(7), cfg, script=script)
             for r in (retriever, SlowRetriever(retriever, 0.25), JitteryRetriever(retriever, 0))]
     (want, first), rest = runs[0], runs[1:]
@@ -536,15 +538,26 @@ def test_lockstep_admits_a_new_batch_only_when_every_slot_is_free(qwen25_tokeniz
     # slots, and the width halves while they fit in half of it: 8 wide for steps 0-4, 4 for 5-9, 2
     # for 10, 1 for 11 (63, not 12 x 8). The device comes back only when enough rows have ended to
     # halve it (after 4 ends, 2, 1, then the last row's), not at each of the 7 ends before the last.
-    _, whole = rollout(sampler, tok, retriever, prompts, jax.random.key(0),
-                       RolloutConfig(**{**cfg, "slots": 0}, chunk_steps=1), script=script)
-    width, want = 8, 0
-    for t in range(max(lengths)):
-        while sum(n > t for n in lengths) <= width // 2:
-            width //= 2
-        want += width
-    assert whole.slot_steps == want == 63 and whole.active_slot_steps == sum(lengths) and whole.narrowed == 3
+    def narrowed(floor):
+        return rollout(sampler, tok, retriever, prompts, jax.random.key(0),
+                       RolloutConfig(**{**cfg, "slots": 0}, chunk_steps=1, narrow_floor=floor), script=script)[1]
+
+    def slot_steps(floor):
+        width, total = 8, 0
+        for t in range(max(lengths)):
+            while sum(n > t for n in lengths) <= width // 2 and width // 2 >= floor:
+                width //= 2
+            total += width
+        return total
+
+    whole = narrowed(1)
+    assert whole.slot_steps == slot_steps(1) == 63 and whole.active_slot_steps == sum(lengths) and whole.narrowed == 3
     assert whole.boundaries == 4 and whole.decode_steps == max(lengths)
+    # `narrow_floor`: no narrower than 4 slots (8 for steps 0-4, 4 after: 40 + 28), one halving, and
+    # no return to the host once the batch cannot narrow further (the last row's end).
+    floored = narrowed(4)
+    assert floored.slot_steps == slot_steps(4) == 68 and floored.narrowed == 1 and floored.boundaries == 2
+    assert narrowed(8).narrowed == 0 and narrowed(8).boundaries == 1  # the default on 8 rows: no narrowing
 
 
 def test_a_decode_call_returns_after_so_many_pauses_or_so_many_ends(qwen25_tokenizer):

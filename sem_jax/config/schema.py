@@ -156,12 +156,14 @@ class Rollout:
     # threads; `lockstep`: barriers at pauses and admissions (one static batch decoded until every
     # row waits); `narrow`: once the queue is empty, the decode batch halves while its rows fit in
     # half of it (the step's tail decodes its last rows, not its empty slots; each width compiles
-    # once). It applies where rows cannot move between devices: the continuous engine on one
+    # once), down to `narrow_floor` slots (a decode step of a few rows reads the same weights as one
+    # of one row). It applies where rows cannot move between devices: the continuous engine on one
     # process with an unsplit batch; elsewhere it is a no-op (docs/usage.md).
     slots: int = setting(0, why="0: every row of the step", **COUNT)
     chunk_steps: int = setting(8, **POSITIVE)
     lockstep: bool = False
     narrow: bool = True
+    narrow_floor: int = setting(8, **POSITIVE)
     retrieval_threads: int = setting(4, **POSITIVE)
     # A retriever call not back this many seconds after its answer is due fails the rollout, naming it.
     retrieval_timeout_s: float = setting(300.0, low=0.0, high=BIG, ends="()")
@@ -408,6 +410,7 @@ class Config:
                              max_tokens_per_passage=self.retrieval.max_tokens_per_passage,
                              max_block_tokens=self.inserted_tokens()[0], max_note_tokens=NOTE_TOKENS, slots=r.slots,
                              chunk_steps=r.chunk_steps, lockstep=r.lockstep, narrow=r.narrow,
+                             narrow_floor=r.narrow_floor,
                              retrieval_threads=r.retrieval_threads, retrieval_timeout_s=r.retrieval_timeout_s)
 
     def grpo(self) -> GRPOConfig:

@@ -32,8 +32,10 @@ Glossary:
   hold slots fit in half of it (they move to the first slots, their cache lines with them), so a
   step's tail decodes its last rows, not its empty slots. The widths follow the schedule, so a narrowed
   step replays bit for bit too (its tail's rows decode at other widths than the rest, so they round
-  differently from a setting that does not narrow). On by default; it applies on one process with an
-  unsplit batch (`Sampler.can_narrow`), not under lockstep.
+  differently from a setting that does not narrow). It stops at `narrow_floor` slots: each width
+  compiles its own programs, and a decode step of a few rows reads the same weights as one of one
+  row. On by default; it applies on one process with an unsplit batch (`Sampler.can_narrow`), not
+  under lockstep.
 - **lockstep** (`lockstep=True`): the same engine with barriers. Decoding runs until no row is active,
   the paused rows' queries go to the retriever together and are waited for, and rows are admitted
   only when every slot is free (with slots = rows: one static batch, as a lockstep sampler runs it).
@@ -73,6 +75,7 @@ class RolloutConfig:
     chunk_steps: int = 8           # decode steps from a query to its answer's append (retrieval runs beside them)
     lockstep: bool = False         # barriers at pauses and admissions (see the module docstring)
     narrow: bool = True            # continuous, one process, queue empty: halve the batch while half its slots are free
+    narrow_floor: int = 8          # narrowing stops at this many slots
     retrieval_threads: int = 4     # host threads that run retriever calls beside decoding
     retrieval_timeout_s: float = 300.0  # a retriever call not back this long after it is due fails the rollout
 
@@ -466,7 +469,7 @@ class _Step:
             self.rows[row - self.offset].admitted = now
 
     def _narrow(self) -> None:
-        keep = _narrower(self.slots.row)
+        keep = _narrower(self.slots.row, self.cfg.narrow_floor)
         if keep is not None:
             self.state = self.sampler.narrow(self.state, keep)
             self.slots = self.slots.take(keep)
@@ -476,7 +479,7 @@ class _Step:
         """How many rows must end before the next boundary can halve the batch (0: it cannot): the
         held rows, less those this boundary's refill ended, must fit in half the slots."""
         half = self.slots.width // 2
-        return max(1, int(self.slots.held().sum()) - ended - half) if half else 0
+        return max(1, int(self.slots.held().sum()) - ended - half) if half >= max(1, self.cfg.narrow_floor) else 0
 
     def _decode(self, next_due: int, ends: int) -> None:
         """Continuous: back to the host as soon as a row pauses (a query to send), once `ends` rows
@@ -495,13 +498,13 @@ class _Step:
         stats.boundaries += 1
 
 
-def _narrower(slot_row: np.ndarray) -> np.ndarray | None:
+def _narrower(slot_row: np.ndarray, floor: int) -> np.ndarray | None:
     """The slots to keep when at most half of them hold a row: every held slot, then free ones up
-    to the narrowest halving of the width that still holds them all (each width compiles once;
-    halvings keep their number small). None: keep the width."""
+    to the narrowest halving of the width that still holds them all and is at least `floor` wide
+    (each width compiles once; halvings keep their number small). None: keep the width."""
     held = np.flatnonzero(slot_row >= 0)
     width = len(slot_row)
-    while len(held) and len(held) <= width // 2:
+    while len(held) and len(held) <= width // 2 and width // 2 >= max(1, floor):
         width //= 2
     if width == len(slot_row):
         return None
