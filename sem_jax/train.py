@@ -105,18 +105,18 @@ def initial_state(run: TrainRun, ckpt: Checkpointer) -> TrainState:
         params = shard_params(params, run.mesh)
         beta = run.config.rl.beta > 0
         spec = run.trainer.lora
+        base = ref_params = None
         if spec is not None:  # the base is frozen: it is the reference too, no copy
-            base = params
+            base, ref_params = params, params if beta else None
             params = replicate(lora_lib.init_adapters(spec, run.model_config, run.config.seed), run.mesh)
-            state = TrainState(params, run.trainer.init_opt_state(params), base if beta else None, base=base,
-                               base_id=lora_lib.fingerprint(base))
             print(f"{spec.describe()}: {sum(x.size for x in jax.tree.leaves(params)):,} trained parameters",
                   flush=True)
-        else:
+        elif beta:
             # The frozen reference is the initial policy (rebuilt identically on resume), in the compute
             # dtype: every use casts a weight to it first, so the same log-probs from half the memory.
-            ref_params = reference_weights(params, run.model.dtype) if beta else None
-            state = TrainState(params, run.trainer.init_opt_state(params), ref_params)
+            ref_params = reference_weights(params, run.model.dtype)
+        state = TrainState(params, run.trainer.init_opt_state(params), ref_params, base=base,
+                           base_id=None if base is None else lora_lib.fingerprint(base))
     restored = ckpt.restore_newest(state.params, state.opt_state)
     if restored is not None:
         _, state.params, state.opt_state, meta = restored

@@ -174,7 +174,7 @@ def test_demo_config_end_to_end_with_tiny_budgets(tmp_path, capsys):
         "--config.warm_start.lookup_steps=5", "--config.warm_start.copy_steps=3",
         "--config.world.rl_people=16", "--config.world.eval_people=6", "--config.world.warm_people=40",
         f"--config.train.total_steps={steps}", "--config.train.ckpt_every=1", "--config.data.prompts_per_step=2",
-        "--config.rollout.group_size=2", *small_model]
+        "--config.rollout.group_size=2", "--config.data.eval_questions=6", *small_model]
     env = cpu_env()
     proc = subprocess.run(cmd(2), capture_output=True, text=True, timeout=600, cwd=REPO, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
