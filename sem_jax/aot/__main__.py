@@ -181,7 +181,7 @@ def engine_rows(graphdef, params, layers, prompts_n: int, group: int, config: Co
     `sampler_rows`' prefill (`sampling/rollout.py`): the prompt cache (held through the rollout,
     so counted as resident beside the others), the empty slots, the decode loop at the slots'
     width, a refill that appends to every slot and admits a row into each, and (rollout.narrow,
-    an unsplit batch) the halving of the slots."""
+    an unsplit batch, slots at least twice rollout.narrow_floor) the halving of the slots."""
     rows_n, multiple = prompts_n * group, local_batch_multiple(mesh)
     if not config.rollout.slots or config.rollout.slots >= rows_n:
         return []
@@ -213,7 +213,8 @@ def engine_rows(graphdef, params, layers, prompts_n: int, group: int, config: Co
     out.append(_compile(f"{label}: refill ({wi} tokens, admissions)", refill_step.lower(
         graphdef, params, layers, state, None, arr((width, wi), jnp.int32), arr((width,), jnp.int32),
         arr((width,), jnp.bool_), arr((width,), jnp.bool_), admit, window=tp + resp))[0])
-    if config.rollout.narrow and batch_shards(mesh) == 1 and width > 1:  # `Sampler.can_narrow` (one process)
+    # `Sampler.can_narrow` (one process), and a halving above the floor.
+    if config.rollout.narrow and batch_shards(mesh) == 1 and width // 2 >= max(1, config.rollout.narrow_floor):
         half = jax.ShapeDtypeStruct((width // 2,), jnp.int32, sharding=NamedSharding(mesh, PartitionSpec()))
         out.append(_compile(f"{label}: narrowed to {width // 2}", take_slots.lower(state, half))[0])
     return [dataclasses.replace(r, resident=resident) for r in out]
