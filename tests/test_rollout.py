@@ -557,7 +557,8 @@ def test_lockstep_admits_a_new_batch_only_when_every_slot_is_free(qwen25_tokeniz
     # no return to the host once the batch cannot narrow further (the last row's end).
     floored = narrowed(4)
     assert floored.slot_steps == slot_steps(4) == 68 and floored.narrowed == 1 and floored.boundaries == 2
-    assert narrowed(8).narrowed == 0 and narrowed(8).boundaries == 1  # the default on 8 rows: no narrowing
+    default = narrowed(8)  # 8 rows at the default floor: no narrowing, one decode call
+    assert default.narrowed == 0 and default.boundaries == 1
 
 
 def test_a_decode_call_returns_after_so_many_pauses_or_so_many_ends(qwen25_tokenizer):
