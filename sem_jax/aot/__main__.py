@@ -42,6 +42,7 @@ from sem_jax.rl.trainer import LOGPROB_KEYS
 from sem_jax.hosts import batch_shards, local_batch_multiple
 from sem_jax.sampling.sampler import (bucket_length, decode_loop, empty_state, insert_step, prefill_step, prompt_cache,
                                       refill_step, take_slots)
+from sem_jax.sampling.rollout import can_halve
 from sem_jax.sampling.stop import trie_states
 from sem_jax.config import Config, load
 from sem_jax.sharding import match_param_shardings
@@ -214,7 +215,7 @@ def engine_rows(graphdef, params, layers, prompts_n: int, group: int, config: Co
         graphdef, params, layers, state, None, arr((width, wi), jnp.int32), arr((width,), jnp.int32),
         arr((width,), jnp.bool_), arr((width,), jnp.bool_), admit, window=tp + resp))[0])
     # `Sampler.can_narrow` (one process), and a halving above the floor.
-    if config.rollout.narrow and batch_shards(mesh) == 1 and width // 2 >= max(1, config.rollout.narrow_floor):
+    if config.rollout.narrow and batch_shards(mesh) == 1 and can_halve(width, config.rollout.narrow_floor):
         half = jax.ShapeDtypeStruct((width // 2,), jnp.int32, sharding=NamedSharding(mesh, PartitionSpec()))
         out.append(_compile(f"{label}: narrowed to {width // 2}", take_slots.lower(state, half))[0])
     return [dataclasses.replace(r, resident=resident) for r in out]

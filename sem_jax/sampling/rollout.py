@@ -478,8 +478,9 @@ class _Step:
     def _ends_to_narrow(self, ended: int) -> int:
         """How many rows must end before the next boundary can halve the batch (0: it cannot): the
         held rows, less those this boundary's refill ended, must fit in half the slots."""
-        half = self.slots.width // 2
-        return max(1, int(self.slots.held().sum()) - ended - half) if half >= max(1, self.cfg.narrow_floor) else 0
+        if not can_halve(self.slots.width, self.cfg.narrow_floor):
+            return 0
+        return max(1, int(self.slots.held().sum()) - ended - self.slots.width // 2)
 
     def _decode(self, next_due: int, ends: int) -> None:
         """Continuous: back to the host as soon as a row pauses (a query to send), once `ends` rows
@@ -498,13 +499,18 @@ class _Step:
         stats.boundaries += 1
 
 
+def can_halve(width: int, floor: int) -> bool:
+    """Whether narrowing may halve a batch of `width` slots: the half is at least `floor` (and 1) wide."""
+    return width // 2 >= max(1, floor)
+
+
 def _narrower(slot_row: np.ndarray, floor: int) -> np.ndarray | None:
     """The slots to keep when at most half of them hold a row: every held slot, then free ones up
     to the narrowest halving of the width that still holds them all and is at least `floor` wide
     (each width compiles once; halvings keep their number small). None: keep the width."""
     held = np.flatnonzero(slot_row >= 0)
     width = len(slot_row)
-    while len(held) and len(held) <= width // 2 and width // 2 >= max(1, floor):
+    while len(held) and len(held) <= width // 2 and can_halve(width, floor):
         width //= 2
     if width == len(slot_row):
         return None
