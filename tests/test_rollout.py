@@ -561,6 +561,49 @@ def test_lockstep_admits_a_new_batch_only_when_every_slot_is_free(qwen25_tokeniz
     assert default.narrowed == 0 and default.boundaries == 1
 
 
+def admission_schedule(lengths: list[int], slots: int, batch: int) -> tuple[int, int]:
+    """(decode steps, boundaries) of rows of these lengths through `slots` slots, in order, when a
+    decode call comes back once `batch` rows have ended (at most as many as are queued) and the
+    boundary admits queued rows into every free slot."""
+    queue, ends, t, boundaries = list(lengths), [], 0, 0
+    while queue or ends:
+        while queue and len(ends) < slots:
+            ends.append(t + queue.pop(0))
+        ends.sort()
+        wait = min(batch, len(queue)) or len(ends)  # nothing queued: to the last end
+        t = ends[wait - 1]
+        ends = [e for e in ends if e > t]
+        boundaries += 1
+    return t, boundaries
+
+
+@pytest.mark.parametrize("share,batch", [(0.0, 1), (0.5, 2), (1.0, 4)])
+def test_queued_rows_are_admitted_once_a_share_of_the_slots_has_ended(qwen25_tokenizer, retriever, share, batch):
+    """`admit_share`: with rows queued, a decode call comes back once that share of the slots has
+    ended, and the boundary fills every free slot: the decode steps and boundaries of a hand
+    schedule (8 rows of known lengths through 4 slots: 20 steps and 5 boundaries one end at a time,
+    20 and 3 two at a time, 22 and 2 four at a time, as lockstep's 12 + 10)."""
+    from policies import Qwen2Config, random_qwen2
+
+    tok = qwen25_tokenizer
+    model = random_qwen2(1, Qwen2Config(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_layers=1,
+                                        num_heads=4, num_kv_heads=2, rope_theta=1e6), scale=0.2)
+    lengths = [2, 12, 3, 11, 4, 10, 5, 9]
+    script = np.full((8, 16), -1, np.int32)
+    for r, n in enumerate(lengths):
+        script[r, n - 1] = IM_END
+    sampler = Sampler(model, build_stop_automaton(tok, SEM.stop_strings),
+                      SamplingConfig(max_new_tokens=16, greedy=True, eos_ids=(IM_END,)))
+    cfg = RolloutConfig(group_size=2, max_searches=0, top_k=1, max_tokens_per_passage=8, max_block_tokens=64,
+                        max_note_tokens=8, slots=4, chunk_steps=1, narrow=False, admit_share=share)
+    got, stats = rollout(sampler, tok, retriever, [[100 + i, 7] for i in range(4)], jax.random.key(0), cfg,
+                         script=script)
+    assert [len(t.response_ids) for t in got] == lengths
+    assert (stats.decode_steps, stats.boundaries) == admission_schedule(lengths, 4, batch)
+    assert admission_schedule(lengths, 4, batch) == {1: (20, 5), 2: (20, 3), 4: (22, 2)}[batch]
+    assert stats.active_slot_steps == sum(lengths) and stats.admissions == 4
+
+
 def test_a_decode_call_returns_after_so_many_pauses_or_so_many_ends(qwen25_tokenizer):
     """`decode_counted(pauses=p, ends=e)`: back to the host once p rows have paused at `</search>`
     or e rows have ended (0: never for that kind); else when no row is active (the paused row

@@ -158,12 +158,16 @@ class Rollout:
     # half of it (the step's tail decodes its last rows, not its empty slots; each width compiles
     # once), down to `narrow_floor` slots (a decode step of a few rows reads the same weights as one
     # of one row). It applies where rows cannot move between devices: the continuous engine on one
-    # process with an unsplit batch; elsewhere it is a no-op (docs/usage.md).
+    # process with an unsplit batch; elsewhere it is a no-op (docs/usage.md). `admit_share`: while
+    # rows are queued, a decode call comes back to admit them once this share of its slots has
+    # ended (at least one row, at most as many as are queued): every boundary costs a host round
+    # trip and a refill call, which rows that end one by one would each pay.
     slots: int = setting(0, why="0: every row of the step", **COUNT)
     chunk_steps: int = setting(8, **POSITIVE)
     lockstep: bool = False
     narrow: bool = True
     narrow_floor: int = setting(8, **POSITIVE)
+    admit_share: float = setting(0.25, low=0.0, high=1.0)
     retrieval_threads: int = setting(4, **POSITIVE)
     # A retriever call not back this many seconds after its answer is due fails the rollout, naming it.
     retrieval_timeout_s: float = setting(300.0, low=0.0, high=BIG, ends="()")
@@ -410,7 +414,7 @@ class Config:
                              max_tokens_per_passage=self.retrieval.max_tokens_per_passage,
                              max_block_tokens=self.inserted_tokens()[0], max_note_tokens=NOTE_TOKENS, slots=r.slots,
                              chunk_steps=r.chunk_steps, lockstep=r.lockstep, narrow=r.narrow,
-                             narrow_floor=r.narrow_floor,
+                             narrow_floor=r.narrow_floor, admit_share=r.admit_share,
                              retrieval_threads=r.retrieval_threads, retrieval_timeout_s=r.retrieval_timeout_s)
 
     def grpo(self) -> GRPOConfig:
@@ -487,7 +491,8 @@ def load(config: ConfigDict | dict) -> Config:
 RESUMABLE = ("run_dir", "peak_flops", "train.", "mesh.", "distributed.", "data.train_file", "data.eval_file",
              "data.eval_questions", "retrieval.index_dir", "retrieval.corpus", "retrieval.threads",
              "rollout.window_steps", "rollout.tensor", "rollout.spread", "rollout.slots", "rollout.chunk_steps",
-             "rollout.lockstep", "rollout.narrow", "rollout.retrieval_threads", "rollout.retrieval_timeout_s",
+             "rollout.lockstep", "rollout.narrow", "rollout.narrow_floor", "rollout.admit_share",
+             "rollout.retrieval_threads", "rollout.retrieval_timeout_s",
              "model.path", "model.tokenizer", "model.kernels", "model.remat", "model.eval_dtype", "rl.micro_batch",
              "rl.logprob_chunk", "sft.", "world.", "warm_start.", "experiment")
 

@@ -36,6 +36,11 @@ Glossary:
   compiles its own programs, and a decode step of a few rows reads the same weights as one of one
   row. On by default; it applies on one process with an unsplit batch (`Sampler.can_narrow`), not
   under lockstep.
+- **admission**: while rows are queued, a decode call comes back once `admit_share` of its slots
+  have ended (at least one row, at most as many as are queued), and the next boundary admits queued
+  rows into every free slot: each boundary costs a round trip and a refill call, which rows ending
+  one by one would each pay. Pauses and due steps bring it back sooner; admission then takes the
+  slots that are free.
 - **lockstep** (`lockstep=True`): the same engine with barriers. Decoding runs until no row is active,
   the paused rows' queries go to the retriever together and are waited for, and rows are admitted
   only when every slot is free (with slots = rows: one static batch, as a lockstep sampler runs it).
@@ -76,6 +81,7 @@ class RolloutConfig:
     lockstep: bool = False         # barriers at pauses and admissions (see the module docstring)
     narrow: bool = True            # continuous, one process, queue empty: halve the batch while half its slots are free
     narrow_floor: int = 8          # narrowing stops at this many slots
+    admit_share: float = 0.25      # rows queued: come back to admit them once this share of the slots has ended
     retrieval_threads: int = 4     # host threads that run retriever calls beside decoding
     retrieval_timeout_s: float = 300.0  # a retriever call not back this long after it is due fails the rollout
 
@@ -345,7 +351,7 @@ class _Step:
             self._refill(refill, sizes)
         if not live:
             return False
-        ends = int(queued)  # a freed slot takes a queued row
+        ends = min(queued, self._admit_batch())  # freed slots take queued rows
         if self.narrowing and not self.queue:
             self._narrow()
             ends = self._ends_to_narrow(int(np.sum(refill.end)))
@@ -445,15 +451,15 @@ class _Step:
         self.stats.admissions += 0 if self.first_fill else len(refill.admit)
         self.first_fill = False
 
-    def _exchange(self, refill: _Refill) -> tuple[bool, bool, bool, int, tuple[int, ...]]:
+    def _exchange(self, refill: _Refill) -> tuple[bool, bool, int, int, tuple[int, ...]]:
         """The boundary's one exchange between processes (their device calls must match): whether
-        any has device work, rows left, rows queued (for a freed slot), the earliest step at which
-        answers are due (it ends the next decode call), and the refill call's shapes."""
+        any has device work, rows left, the most rows queued on one (for freed slots), the earliest
+        step at which answers are due (it ends the next decode call), and the refill call's shapes."""
         work, live, queued, negated, *sizes = hosts.agree_max_each(
             refill.work, bool(self.queue) or bool(self.searches) or bool(self.slots.held().any()),
-            bool(self.queue), -min([job.due for job in self.searches], default=_NEVER),
+            len(self.queue), -min([job.due for job in self.searches], default=_NEVER),
             *self.sampler.refill_sizes(refill.blocks, refill.admit))
-        return bool(work), bool(live), bool(queued), -negated, tuple(sizes)
+        return bool(work), bool(live), int(queued), -negated, tuple(sizes)
 
     def _refill(self, refill: _Refill, sizes: tuple[int, ...]) -> None:
         t0 = time.perf_counter()
@@ -467,6 +473,10 @@ class _Step:
         now = time.perf_counter()
         for _, _, row in refill.admit:
             self.rows[row - self.offset].admitted = now
+
+    def _admit_batch(self) -> int:
+        """The rows that must end before a decode call comes back to admit queued ones."""
+        return max(1, round(self.cfg.admit_share * self.slots.width))
 
     def _narrow(self) -> None:
         keep = _narrower(self.slots.row, self.cfg.narrow_floor)
@@ -484,8 +494,8 @@ class _Step:
 
     def _decode(self, next_due: int, ends: int) -> None:
         """Continuous: back to the host as soon as a row pauses (a query to send), once `ends` rows
-        have ended (a freed slot takes a queued row, or the batch can narrow: a boundary costs
-        less than a slot left idle; 0: no end brings it back), and at the next answers' due step.
+        have ended (freed slots take queued rows, or the batch can narrow; 0: no end brings it
+        back), and at the next answers' due step.
         Lockstep: until no row is active."""
         lockstep, stats = self.cfg.lockstep, self.stats
         t0 = time.perf_counter()
