@@ -25,6 +25,11 @@ other batch widths, where XLA's matmuls round differently: equal up to a draw wi
 Then the search ratio swept (0, 25, 50, 100% of rows) through 16 slots, every setting: the
 continuous engine's time should fall with the ratio. Last, 0% and 50% with a slot for every row
 (`rollout.slots = 0`, the default): lockstep is then one static batch.
+
+    python scripts/bench_rollout.py --shapes tiny --admit 0 0.125 0.25 --passages 20000
+
+instead sweeps `rollout.admit_share` (narrowed, the default engine) against lockstep at 0% and 50%
+search through 16 slots and 0% through 32, each setting's boundaries beside its speedup.
 """
 
 from __future__ import annotations
@@ -145,6 +150,35 @@ def run(sampler, tok, retriever, prompts, script, slots: int, repeats: int) -> d
     return best
 
 
+def admit_sweep(sampler, tok, retriever, prompts, docs, shares: list[float], repeats: int) -> dict:
+    """Lockstep and the default engine at each `admit_share`, taking turns (fastest of `repeats`)."""
+    rows = {}
+    for search, slots in ((0.0, 16), (0.5, 16), (0.0, 32)):
+        script, info = workload(tok, docs, search)
+        cfgs = {"lockstep": dict(lockstep=True), **{f"admit_share={a}": dict(admit_share=a) for a in shares}}
+        cfgs = {name: RolloutConfig(group_size=G, max_searches=2, top_k=TOP_K, max_tokens_per_passage=PASSAGE_TOKENS,
+                                    max_block_tokens=BLOCK, max_note_tokens=32, slots=slots, **extra)
+                for name, extra in cfgs.items()}
+        for cfg in cfgs.values():
+            rollout(sampler, tok, retriever, prompts, jax.random.key(0), cfg, SEM, script=script)
+        best = {name: (float("inf"), None) for name in cfgs}
+        for _ in range(repeats):
+            for name, cfg in cfgs.items():
+                t0 = time.perf_counter()
+                _, stats = rollout(sampler, tok, retriever, prompts, jax.random.key(0), cfg, SEM, script=script)
+                best[name] = min(best[name], (time.perf_counter() - t0, stats), key=lambda x: x[0])
+        lock = best.pop("lockstep")[0]
+        key = f"share={search} slots={slots}"
+        rows[key] = dict(search_share=search, slots=slots, **info, lockstep_s=lock,
+                         settings={name: dict(seconds=t, speedup=lock / t, boundaries=st.boundaries,
+                                              decode_steps=st.decode_steps, occupancy=st.occupancy)
+                                   for name, (t, st) in best.items()})
+        print(f"{key}: lockstep {lock:.2f}s | " + " | ".join(
+            f"{name} {t:.2f}s x{lock / t:.2f}, {st.boundaries} boundaries, {st.decode_steps} steps"
+            for name, (t, st) in best.items()), flush=True)
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", nargs="+", default=["tiny", "qwen2.5-0.5b"], choices=sorted(SHAPES))
@@ -153,6 +187,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3, help="timed runs per setting (their fastest is kept)")
     ap.add_argument("--out", default="runs/bench_rollout.json")
     ap.add_argument("--plot", default="docs/rollout_search_ratio.png")
+    ap.add_argument("--admit", nargs="+", type=float, metavar="SHARE",
+                    help="sweep rollout.admit_share (tiny shape only) instead of the settings")
     args = ap.parse_args()
     from flax import nnx
 
@@ -176,6 +212,10 @@ def main() -> None:
         print(f"[{shape}] next-token entropy {entropy:.2f} nats", flush=True)
         sampler = Sampler(model, stop, SamplingConfig(max_new_tokens=256, eos_ids=(IM_END,),
                                                       max_inserted_tokens=2 * BLOCK), window_steps=0)
+        if args.admit:
+            result["shapes"][shape] = dict(config=dims, entropy_nats=entropy,
+                                           admit=admit_sweep(sampler, tok, bm25, prompts, docs, args.admit, args.repeats))
+            continue
         rows = {}
         sweeps = [(0.5, slots, name) for slots in (16, 32)
                   for name in (retrievers if shape == "tiny" else ["bm25s"])]
@@ -212,7 +252,7 @@ def main() -> None:
     with open(args.out, "w") as fh:
         json.dump(result, fh, indent=2)
     print(f"wrote {args.out}")
-    if "tiny" in result["shapes"] and args.plot:
+    if "tiny" in result["shapes"] and args.plot and not args.admit:
         plot(result["shapes"]["tiny"]["rows"], args.plot)
 
 
