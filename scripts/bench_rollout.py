@@ -129,6 +129,11 @@ def workload(tok, docs, search_share: float, seed: int = 0) -> tuple[np.ndarray,
     return script, dict(search_rows=len(searching), twice=len(twice), sampled_tokens=int(sum(sampled)))
 
 
+def engine_config(slots: int, **extra) -> RolloutConfig:
+    return RolloutConfig(group_size=G, max_searches=2, top_k=TOP_K, max_tokens_per_passage=PASSAGE_TOKENS,
+                         max_block_tokens=BLOCK, max_note_tokens=32, slots=slots, **extra)
+
+
 SETTINGS = {"lockstep": dict(lockstep=True), "continuous": dict(narrow=False), "narrowed": dict(narrow=True)}
 
 
@@ -136,9 +141,7 @@ def run(sampler, tok, retriever, prompts, script, slots: int, repeats: int) -> d
     """Each setting's (seconds, trajectories, stats): the fastest of `repeats` timed runs after a
     warm-up run (compiles), the settings taking turns so that a slow spell of the machine falls
     on all of them."""
-    cfgs = {name: RolloutConfig(group_size=G, max_searches=2, top_k=TOP_K, max_tokens_per_passage=PASSAGE_TOKENS,
-                                max_block_tokens=BLOCK, max_note_tokens=32, slots=slots, **extra)
-            for name, extra in SETTINGS.items()}
+    cfgs = {name: engine_config(slots, **extra) for name, extra in SETTINGS.items()}
     for cfg in cfgs.values():
         rollout(sampler, tok, retriever, prompts, jax.random.key(0), cfg, SEM, script=script)
     best = {name: (float("inf"), None, None) for name in cfgs}
@@ -155,10 +158,8 @@ def admit_sweep(sampler, tok, retriever, prompts, docs, shares: list[float], rep
     rows = {}
     for search, slots in ((0.0, 16), (0.5, 16), (0.0, 32)):
         script, info = workload(tok, docs, search)
-        cfgs = {"lockstep": dict(lockstep=True), **{f"admit_share={a}": dict(admit_share=a) for a in shares}}
-        cfgs = {name: RolloutConfig(group_size=G, max_searches=2, top_k=TOP_K, max_tokens_per_passage=PASSAGE_TOKENS,
-                                    max_block_tokens=BLOCK, max_note_tokens=32, slots=slots, **extra)
-                for name, extra in cfgs.items()}
+        cfgs = {"lockstep": engine_config(slots, lockstep=True),
+                **{f"admit_share={a}": engine_config(slots, admit_share=a) for a in shares}}
         for cfg in cfgs.values():
             rollout(sampler, tok, retriever, prompts, jax.random.key(0), cfg, SEM, script=script)
         best = {name: (float("inf"), None) for name in cfgs}

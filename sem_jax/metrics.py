@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 
 import jax
@@ -40,6 +41,21 @@ def rewind_jsonl(path: str, step: int) -> int:
     return len(lines) - len(keep)
 
 
+def summary_writer(log_dir: str):
+    """tensorboardX's SummaryWriter, imported without torch: where torch is installed,
+    tensorboardX imports it only to accept its tensors (about 2 s and a few hundred MB in every
+    training process); this writer logs floats."""
+    blocked = "torch" not in sys.modules
+    if blocked:
+        sys.modules["torch"] = None  # `import torch` raises ImportError, which tensorboardX expects
+    try:
+        from tensorboardX import SummaryWriter
+    finally:
+        if blocked:
+            del sys.modules["torch"]
+    return SummaryWriter(log_dir)
+
+
 class MetricWriter:
     CONSOLE = ("reward/mean", "em", "f1", "search_ratio", "valid", "groups/tied", "kl", "grad_norm", "time/step",
                "tokens_per_s")
@@ -51,8 +67,7 @@ class MetricWriter:
         self.enabled = jax.process_index() == 0
         self.start = time.time()
         if self.enabled:
-            from tensorboardX import SummaryWriter
-            self.tb = SummaryWriter(os.path.join(run_dir, "tb"))
+            self.tb = summary_writer(os.path.join(run_dir, "tb"))
             path = os.path.join(run_dir, "metrics.jsonl")
             rewind_jsonl(path, resumed_step)
             self.jsonl = open(path, "a")

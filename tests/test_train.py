@@ -216,6 +216,19 @@ def test_a_resume_rewinds_metrics_to_the_restored_step(tmp_path):
     assert rewind_jsonl(str(path), 3) == 0 and rewind_jsonl(str(tmp_path / "none.jsonl"), 0) == 0
 
 
+def test_a_training_process_never_imports_torch(tmp_path):
+    """The runtime needs no torch, and with torch installed (as here) none of a training run's
+    imports nor its metric writer loads it (tensorboardX would, to accept torch tensors)."""
+    code = ("import sys, sem_jax.train, sem_jax.evaluate, sem_jax.sft, sem_jax.export, sem_jax.demo\n"
+            "from sem_jax.metrics import MetricWriter\n"
+            f"w = MetricWriter({str(tmp_path)!r}); w.write(1, {{'loss': 0.5}}); w.close()\n"
+            "assert 'torch' not in sys.modules, 'torch was imported'\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=REPO,
+                          env=cpu_env())
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert any(f.startswith("events.out.tfevents") for f in os.listdir(tmp_path / "tb"))
+
+
 @pytest.mark.parametrize("torn", ['{"step": 3, "split": "tr', '{"step": 2, "split": "eval"}'])
 def test_a_half_written_last_metrics_row_does_not_swallow_the_next(tmp_path, torn):
     """A crash mid-write leaves the last line without its newline: the resumed run's first row
