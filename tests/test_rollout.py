@@ -506,23 +506,29 @@ def test_continuous_engine_on_the_spread_sampler_mesh(qwen25_tokenizer, retrieve
         np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-4)
 
 
-def test_lockstep_admits_a_new_batch_only_when_every_slot_is_free(qwen25_tokenizer, retriever):
-    """Lockstep with fewer slots than rows decodes the rows in successive batches: its slot-steps
-    are each batch's longest row times the slots; the continuous engine refills and needs fewer."""
+def _rows_of_known_lengths(tok):
+    """A greedy sampler and 8 rows (4 prompts x G 2) forced to end after these many sampled tokens
+    (EOS included): (sampler, lengths, script, prompts)."""
     from policies import Qwen2Config, random_qwen2
 
-    tok = qwen25_tokenizer
     model = random_qwen2(1, Qwen2Config(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_layers=1,
                                         num_heads=4, num_kv_heads=2, rope_theta=1e6), scale=0.2)
-    lengths = [2, 12, 3, 11, 4, 10, 5, 9]  # sampled tokens, EOS included
+    lengths = [2, 12, 3, 11, 4, 10, 5, 9]
     script = np.full((8, 16), -1, np.int32)
     for r, n in enumerate(lengths):
         script[r, n - 1] = IM_END
     sampler = Sampler(model, build_stop_automaton(tok, SEM.stop_strings),
                       SamplingConfig(max_new_tokens=16, greedy=True, eos_ids=(IM_END,)))
+    return sampler, lengths, script, [[100 + i, 7] for i in range(4)]
+
+
+def test_lockstep_admits_a_new_batch_only_when_every_slot_is_free(qwen25_tokenizer, retriever):
+    """Lockstep with fewer slots than rows decodes the rows in successive batches: its slot-steps
+    are each batch's longest row times the slots; the continuous engine refills and needs fewer."""
+    tok = qwen25_tokenizer
+    sampler, lengths, script, prompts = _rows_of_known_lengths(tok)
     cfg = dict(group_size=2, max_searches=0, top_k=1, max_tokens_per_passage=8, max_block_tokens=64,
                max_note_tokens=8, slots=2)
-    prompts = [[100 + i, 7] for i in range(4)]
     (lock, ls), (cont, cs) = (rollout(sampler, tok, retriever, prompts, jax.random.key(0),
                                       RolloutConfig(**cfg, lockstep=lockstep, chunk_steps=1), script=script)
                               for lockstep in (True, False))
@@ -583,21 +589,11 @@ def test_queued_rows_are_admitted_once_a_share_of_the_slots_has_ended(qwen25_tok
     ended, and the boundary fills every free slot: the decode steps and boundaries of a hand
     schedule (8 rows of known lengths through 4 slots: 20 steps and 5 boundaries one end at a time,
     20 and 3 two at a time, 22 and 2 four at a time, as lockstep's 12 + 10)."""
-    from policies import Qwen2Config, random_qwen2
-
     tok = qwen25_tokenizer
-    model = random_qwen2(1, Qwen2Config(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_layers=1,
-                                        num_heads=4, num_kv_heads=2, rope_theta=1e6), scale=0.2)
-    lengths = [2, 12, 3, 11, 4, 10, 5, 9]
-    script = np.full((8, 16), -1, np.int32)
-    for r, n in enumerate(lengths):
-        script[r, n - 1] = IM_END
-    sampler = Sampler(model, build_stop_automaton(tok, SEM.stop_strings),
-                      SamplingConfig(max_new_tokens=16, greedy=True, eos_ids=(IM_END,)))
+    sampler, lengths, script, prompts = _rows_of_known_lengths(tok)
     cfg = RolloutConfig(group_size=2, max_searches=0, top_k=1, max_tokens_per_passage=8, max_block_tokens=64,
                         max_note_tokens=8, slots=4, chunk_steps=1, narrow=False, admit_share=share)
-    got, stats = rollout(sampler, tok, retriever, [[100 + i, 7] for i in range(4)], jax.random.key(0), cfg,
-                         script=script)
+    got, stats = rollout(sampler, tok, retriever, prompts, jax.random.key(0), cfg, script=script)
     assert [len(t.response_ids) for t in got] == lengths
     assert (stats.decode_steps, stats.boundaries) == admission_schedule(lengths, 4, batch)
     assert admission_schedule(lengths, 4, batch) == {1: (20, 5), 2: (20, 3), 4: (22, 2)}[batch]
