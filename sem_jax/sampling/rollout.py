@@ -40,7 +40,8 @@ Glossary:
   have ended (at least one row, at most as many as are queued), and the next boundary admits queued
   rows into every free slot: each boundary costs a round trip and a refill call, which rows ending
   one by one would each pay. Pauses and due steps bring it back sooner; admission then takes the
-  slots that are free.
+  slots that are free. (On several processes: a share of one process's slots, its rows ended on
+  any process, at most the longest queue of one.)
 - **lockstep** (`lockstep=True`): the same engine with barriers. Decoding runs until no row is active,
   the paused rows' queries go to the retriever together and are waited for, and rows are admitted
   only when every slot is free (with slots = rows: one static batch, as a lockstep sampler runs it).
