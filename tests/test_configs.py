@@ -175,3 +175,20 @@ def test_a_missing_config_file_is_named_in_one_line():
     for argv in (["prog", "--config", "configs/nope.py:x"], ["prog", "--config=configs/nope.py"]):
         with pytest.raises(SystemExit, match=r"^--config configs/nope\.py(:x)?: no such file \(/.*configs/nope\.py\)$"):
             parse_flags(argv)
+
+
+def test_a_resume_may_change_how_the_engine_runs_not_what_it_samples():
+    """Every engine setting is resumable (the schedule, not the draws: a row's tokens are keyed by
+    its row); the group size is what trains and is refused, naming the field."""
+    from sem_jax.config import ConfigError, cpu_config, resume_changes
+
+    before = load(cpu_config())
+    engine = {"slots": 4, "chunk_steps": 3, "lockstep": True, "narrow": False, "narrow_floor": 2,
+              "admit_share": 0.5, "window_steps": 0, "retrieval_threads": 2, "retrieval_timeout_s": 60.0}
+    now = cpu_config()
+    for k, v in engine.items():
+        setattr(now.rollout, k, v)
+    assert sorted(resume_changes(before, load(now), "run/config.json")) == sorted(f"rollout.{k}" for k in engine)
+    now.rollout.group_size = before.rollout.group_size + 1
+    with pytest.raises(ConfigError, match=r"cannot change what it trains \(rollout.group_size: "):
+        resume_changes(before, load(now), "run/config.json")
