@@ -137,11 +137,10 @@ def engine_config(slots: int, **extra) -> RolloutConfig:
 SETTINGS = {"lockstep": dict(lockstep=True), "continuous": dict(narrow=False), "narrowed": dict(narrow=True)}
 
 
-def run(sampler, tok, retriever, prompts, script, slots: int, repeats: int) -> dict:
+def run(sampler, tok, retriever, prompts, script, cfgs: dict[str, RolloutConfig], repeats: int) -> dict:
     """Each setting's (seconds, trajectories, stats): the fastest of `repeats` timed runs after a
     warm-up run (compiles), the settings taking turns so that a slow spell of the machine falls
     on all of them."""
-    cfgs = {name: engine_config(slots, **extra) for name, extra in SETTINGS.items()}
     for cfg in cfgs.values():
         rollout(sampler, tok, retriever, prompts, jax.random.key(0), cfg, SEM, script=script)
     best = {name: (float("inf"), None, None) for name in cfgs}
@@ -160,14 +159,8 @@ def admit_sweep(sampler, tok, retriever, prompts, docs, shares: list[float], rep
         script, info = workload(tok, docs, search)
         cfgs = {"lockstep": engine_config(slots, lockstep=True),
                 **{f"admit_share={a}": engine_config(slots, admit_share=a) for a in shares}}
-        for cfg in cfgs.values():
-            rollout(sampler, tok, retriever, prompts, jax.random.key(0), cfg, SEM, script=script)
-        best = {name: (float("inf"), None) for name in cfgs}
-        for _ in range(repeats):
-            for name, cfg in cfgs.items():
-                t0 = time.perf_counter()
-                _, stats = rollout(sampler, tok, retriever, prompts, jax.random.key(0), cfg, SEM, script=script)
-                best[name] = min(best[name], (time.perf_counter() - t0, stats), key=lambda x: x[0])
+        best = {name: (t, stats) for name, (t, _, stats) in
+                run(sampler, tok, retriever, prompts, script, cfgs, repeats).items()}
         lock = best.pop("lockstep")[0]
         key = f"share={search} slots={slots}"
         rows[key] = dict(search_share=search, slots=slots, **info, lockstep_s=lock,
@@ -224,8 +217,9 @@ def main() -> None:
         sweeps += [(share, PROMPTS * G, "bm25s") for share in (0.0, 0.5)] if shape == "tiny" else []  # the default
         for share, slots, name in sweeps:
             script, info = workload(tok, docs, share)
+            cfgs = {setting: engine_config(slots, **extra) for setting, extra in SETTINGS.items()}
             (lt, lock, ls), (ct, cont, cs), (nt, narrow, ns) = run(
-                sampler, tok, retrievers[name], prompts, script, slots, args.repeats).values()
+                sampler, tok, retrievers[name], prompts, script, cfgs, args.repeats).values()
             same = lambda got: sum(a.response_ids.tolist() == b.response_ids.tolist() for a, b in zip(lock, got))
             logp = lambda got: max(float(np.abs(a.logprobs - b.logprobs).max()) for a, b in zip(lock, got)
                                    if len(a.logprobs) == len(b.logprobs))
